@@ -1,0 +1,57 @@
+"""A circuit breaker in front of a backend.
+
+A pool that is down must cost a request nothing: after one failed call further calls
+fail at once for a backoff period (doubling up to a cap) instead of each waiting out
+the timeout; then one call probes again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from ascend_store.backends.base import Backend, BackendUnavailable
+
+log = logging.getLogger("ascend_store")
+
+_PASSTHROUGH = ("buffer", "exists", "reserve", "commit", "abort", "lease", "release", "remove",
+                "stats")
+
+
+class GuardedBackend:
+    def __init__(self, inner: Backend, first_backoff_s: float = 0.5, max_backoff_s: float = 30.0):
+        self.inner = inner
+        self._first, self._max = first_backoff_s, max_backoff_s
+        self._backoff = 0.0
+        self._open_until = 0.0
+        self._lock = threading.Lock()
+        self.failures = 0
+
+    def __getattr__(self, name):
+        if name not in _PASSTHROUGH:
+            return getattr(self.inner, name)
+        fn = getattr(self.inner, name)
+
+        def guarded(*args, **kwargs):
+            if time.monotonic() < self._open_until:
+                raise BackendUnavailable("pool unavailable (backing off)")
+            try:
+                out = fn(*args, **kwargs)
+            except BackendUnavailable as exc:
+                with self._lock:
+                    self.failures += 1
+                    self._backoff = min(self._max, self._backoff * 2 or self._first)
+                    self._open_until = time.monotonic() + self._backoff
+                log.warning("KV pool call %s failed (%s); recomputing, next try in %.1fs",
+                            name, exc, self._backoff)
+                raise
+            if self._backoff:
+                log.info("KV pool reachable again")
+                self._backoff = 0.0
+            return out
+
+        return guarded
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,207 @@
+"""The pool's index over its arena: allocation, LRU eviction, reservations and leases.
+
+Pure bookkeeping with no I/O, so it is tested on its own. Objects are either being
+written (reserved, invisible to readers, freed if not committed in time) or ready.
+Leases pin a ready object against eviction and removal while a reader copies it out;
+a lease that is not released within its TTL is dropped, so a dead client cannot pin
+memory forever.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ascend_store.backends.base import Status
+
+ALIGN = 512
+
+
+def _aligned(size: int) -> int:
+    return (size + ALIGN - 1) // ALIGN * ALIGN
+
+
+class FreeList:
+    """First-fit allocator over [0, capacity) with exact-size reuse and coalescing."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._by_off: dict[int, int] = {0: capacity} if capacity else {}
+        self._by_end: dict[int, int] = {capacity: 0} if capacity else {}
+        self.free_bytes = capacity
+
+    def alloc(self, size: int) -> int | None:
+        off = next((o for o, s in self._by_off.items() if s == size), None)
+        if off is None:
+            off = next((o for o, s in self._by_off.items() if s >= size), None)
+        if off is None:
+            return None
+        seg = self._drop(off)
+        if seg > size:
+            self._add(off + size, seg - size)
+        self.free_bytes -= size
+        return off
+
+    def free(self, off: int, size: int) -> int:
+        """Return the block; the result is the size of the coalesced free segment."""
+        self.free_bytes += size
+        if off in self._by_end:  # a free segment ends where this one starts
+            prev = self._by_end[off]
+            size += self._drop(prev)
+            off = prev
+        if off + size in self._by_off:
+            size += self._drop(off + size)
+        self._add(off, size)
+        return size
+
+    def _add(self, off: int, size: int) -> None:
+        self._by_off[off] = size
+        self._by_end[off + size] = off
+
+    def _drop(self, off: int) -> int:
+        size = self._by_off.pop(off)
+        del self._by_end[off + size]
+        return size
+
+
+@dataclass
+class _Obj:
+    offset: int
+    size: int  # bytes the client asked for
+    alloc: int  # bytes taken from the arena
+    ready: bool = False
+    leases: int = 0
+    deadline: float = 0.0  # reservation deadline, or when the last lease expires
+
+
+class PoolIndex:
+    def __init__(self, capacity: int, lease_ttl_s: float = 30.0, reserve_ttl_s: float = 60.0,
+                 clock=time.monotonic):
+        self.free = FreeList(capacity)
+        self.lease_ttl_s = lease_ttl_s
+        self.reserve_ttl_s = reserve_ttl_s
+        self._clock = clock
+        self._objs: dict[str, _Obj] = {}
+        self._lru: OrderedDict[str, None] = OrderedDict()  # ready objects, oldest first
+        self.counters = {"evictions": 0, "expired_leases": 0, "expired_reservations": 0,
+                         "no_space": 0}
+
+    # -- writes ---------------------------------------------------------------
+    def reserve(self, keys: list[str], sizes: list[int]) -> list[tuple[Status, int]]:
+        now, out = self._clock(), []
+        for key, size in zip(keys, sizes):
+            if key in self._objs:
+                out.append((Status.EXISTS, 0))
+                continue
+            need = _aligned(size)
+            off = self._alloc(need)
+            if off is None:
+                self.counters["no_space"] += 1
+                out.append((Status.NO_SPACE, 0))
+                continue
+            self._objs[key] = _Obj(off, size, need, deadline=now + self.reserve_ttl_s)
+            out.append((Status.OK, off))
+        return out
+
+    def commit(self, keys: list[str]) -> list[Status]:
+        out = []
+        for key in keys:
+            obj = self._objs.get(key)
+            if obj is None or obj.ready:
+                out.append(Status.MISSING)
+                continue
+            obj.ready = True
+            obj.deadline = 0.0
+            self._lru[key] = None
+            out.append(Status.OK)
+        return out
+
+    def abort(self, keys: list[str]) -> None:
+        for key in keys:
+            obj = self._objs.get(key)
+            if obj is not None and not obj.ready:
+                self._delete(key)
+
+    # -- reads ----------------------------------------------------------------
+    def exists(self, keys: list[str]) -> list[bool]:
+        return [(o := self._objs.get(k)) is not None and o.ready for k in keys]
+
+    def lease(self, keys: list[str]) -> list[tuple[Status, int, int]]:
+        now, out = self._clock(), []
+        for key in keys:
+            obj = self._objs.get(key)
+            if obj is None or not obj.ready:
+                out.append((Status.MISSING, 0, 0))
+                continue
+            obj.leases += 1
+            obj.deadline = now + self.lease_ttl_s
+            self._lru.move_to_end(key)
+            out.append((Status.OK, obj.offset, obj.size))
+        return out
+
+    def release(self, keys: list[str]) -> None:
+        for key in keys:
+            obj = self._objs.get(key)
+            if obj is not None and obj.leases > 0:
+                obj.leases -= 1
+
+    def remove(self, keys: list[str]) -> list[Status]:
+        out = []
+        for key in keys:
+            obj = self._objs.get(key)
+            if obj is None:
+                out.append(Status.MISSING)
+            elif obj.leases > 0:
+                out.append(Status.BUSY)
+            else:
+                self._delete(key)
+                out.append(Status.OK)
+        return out
+
+    # -- upkeep ---------------------------------------------------------------
+    def reap(self) -> None:
+        """Drop expired leases and reservations whose writer never committed."""
+        now = self._clock()
+        for key, obj in list(self._objs.items()):
+            if not obj.deadline or obj.deadline > now:
+                continue
+            if obj.ready:
+                self.counters["expired_leases"] += obj.leases
+                obj.leases, obj.deadline = 0, 0.0
+            else:
+                self.counters["expired_reservations"] += 1
+                self._delete(key)
+
+    def list(self, prefix: str) -> list[tuple[str, int, bool, int]]:
+        return [(k, o.size, o.ready, o.leases) for k, o in self._objs.items() if k.startswith(prefix)]
+
+    def stats(self) -> dict:
+        return {
+            "capacity": self.free.capacity,
+            "used_bytes": self.free.capacity - self.free.free_bytes,
+            "objects": sum(o.ready for o in self._objs.values()),
+            "reserved": sum(not o.ready for o in self._objs.values()),
+            "leases": sum(o.leases for o in self._objs.values()),
+            **self.counters,
+        }
+
+    def _alloc(self, need: int) -> int | None:
+        if need > self.free.capacity:
+            return None
+        off = self.free.alloc(need)
+        if off is not None:
+            return off
+        # Evict least recently used, unleased objects until one free segment fits.
+        for key in list(self._lru):
+            if self._objs[key].leases:
+                continue
+            self.counters["evictions"] += 1
+            if self._delete(key) >= need:
+                return self.free.alloc(need)
+        return None
+
+    def _delete(self, key: str) -> int:
+        obj = self._objs.pop(key)
+        self._lru.pop(key, None)
+        return self.free.free(obj.offset, obj.alloc)

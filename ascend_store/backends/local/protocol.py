@@ -1,0 +1,51 @@
+"""Wire format of the local pool: msgpack maps over a ZeroMQ socket (never pickle).
+
+Request:  {"op": str, "keys": [str], "sizes": [int]}
+Reply:    {"ok": bool, "epoch": str, ...op-specific fields..., "error": str}
+"""
+
+from __future__ import annotations
+
+import msgpack
+
+from ascend_store.keys import KEY_RE
+
+MAX_MESSAGE_BYTES = 16 * 2**20
+MAX_KEYS_PER_CALL = 65536
+OPS = ("hello", "exists", "reserve", "commit", "abort", "lease", "release", "remove",
+       "stats", "list")
+
+
+class ProtocolError(ValueError):
+    pass
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack_request(data: bytes) -> dict:
+    """Decode and validate one request; raise ProtocolError on anything malformed."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError("message too large")
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True,
+                              max_array_len=MAX_KEYS_PER_CALL, max_map_len=16,
+                              max_str_len=4096, max_bin_len=0)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable message: {type(exc).__name__}") from None
+    if not isinstance(msg, dict) or msg.get("op") not in OPS:
+        raise ProtocolError("expected a map with a known 'op'")
+    keys = msg.get("keys", [])
+    if not isinstance(keys, list) or not all(isinstance(k, str) and KEY_RE.match(k) for k in keys):
+        raise ProtocolError("keys must be a list of strings matching " + KEY_RE.pattern)
+    sizes = msg.get("sizes", [])
+    if not isinstance(sizes, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+        raise ProtocolError("sizes must be a list of positive integers")
+    if msg["op"] == "reserve" and len(sizes) != len(keys):
+        raise ProtocolError("reserve needs one size per key")
+    prefix = msg.get("prefix", "")
+    if not isinstance(prefix, str) or len(prefix) > 256:
+        raise ProtocolError("prefix must be a short string")
+    return msg

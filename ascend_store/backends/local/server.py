@@ -1,0 +1,176 @@
+"""The embedded pool's server: owns the shared-memory arena and its index.
+
+One thread serves a ZeroMQ ROUTER socket on a Unix socket (mode 0600). Clients map
+the arena file themselves and copy bytes in and out; the server only hands out
+offsets, so no KV byte ever crosses the socket. The arena file is created 0600, so
+only processes of the pool's user can map it (see docs/reliability.md: every client of
+one pool shares one trust domain).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import time
+
+import zmq
+
+from ascend_store.backends.local import protocol
+from ascend_store.backends.local.index import PoolIndex
+
+log = logging.getLogger("ascend_store.pool")
+REAP_INTERVAL_S = 0.1
+
+
+def prepare_socket_dir(socket_path: str) -> None:
+    """Create the socket's directory private to this user, or warn when it is shared."""
+    d = os.path.dirname(socket_path)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.stat(d)
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        os.chmod(d, 0o700)
+    elif st.st_uid != os.getuid():
+        log.warning("pool socket directory %s is not owned by this user; "
+                    "use a private directory (socket mode stays 0600)", d)
+
+
+def _arena_dir(socket_path: str, capacity: int) -> str:
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and shutil.disk_usage(shm).free >= capacity:
+        return shm
+    log.warning("/dev/shm is missing or smaller than the pool capacity; the arena lives "
+                "beside the socket (page cache backed)")
+    return os.path.dirname(socket_path)
+
+
+class PoolServer:
+    def __init__(self, socket_path: str, capacity: int, lease_ttl_s: float = 30.0,
+                 parent_pid: int | None = None):
+        self.socket_path = os.path.abspath(socket_path)
+        self.capacity = capacity
+        self.parent_pid = parent_pid
+        self.epoch = secrets.token_hex(8)
+        self.index = PoolIndex(capacity, lease_ttl_s=lease_ttl_s)
+        self.requests = 0
+        self.rejected = 0
+        prepare_socket_dir(self.socket_path)
+        tag = hashlib.blake2b(self.socket_path.encode(), digest_size=6).hexdigest()
+        arena_dir = _arena_dir(self.socket_path, capacity)
+        prefix = f"ascend-store-{os.getuid()}-{tag}-"
+        for stale in os.listdir(arena_dir):  # arenas left by a crashed pool on this socket
+            if stale.startswith(prefix):
+                os.unlink(os.path.join(arena_dir, stale))
+        self.arena_path = os.path.join(arena_dir, prefix + self.epoch)
+        fd = os.open(self.arena_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, capacity)
+        finally:
+            os.close(fd)
+        self._ctx = zmq.Context(1)
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)  # the launcher checked nobody answers there
+        old_umask = os.umask(0o177)
+        try:
+            self._sock.bind(f"ipc://{self.socket_path}")
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.socket_path, 0o600)
+        self._running = True
+        log.info("pool serving on %s, arena %s (%d bytes), epoch %s",
+                 self.socket_path, self.arena_path, capacity, self.epoch)
+
+    def stop(self, *_):
+        self._running = False
+
+    def serve_forever(self) -> None:
+        last_reap = time.monotonic()
+        try:
+            while self._running:
+                if self._sock.poll(int(REAP_INTERVAL_S * 1000)):
+                    frames = self._sock.recv_multipart()
+                    if len(frames) >= 2:
+                        self._sock.send_multipart(frames[:-1] + [self._handle(frames[-1])])
+                now = time.monotonic()
+                if now - last_reap >= REAP_INTERVAL_S:
+                    last_reap = now
+                    self.index.reap()
+                    if self.parent_pid and not _alive(self.parent_pid):
+                        log.info("parent %d exited; stopping the pool", self.parent_pid)
+                        break
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+        for path in (self.socket_path, self.arena_path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def _handle(self, data: bytes) -> bytes:
+        self.requests += 1
+        try:
+            msg = protocol.unpack_request(data)
+        except protocol.ProtocolError as exc:
+            self.rejected += 1
+            return protocol.pack({"ok": False, "epoch": self.epoch, "error": str(exc)})
+        reply = self._dispatch(msg["op"], msg.get("keys", []), msg)
+        reply.update(ok=True, epoch=self.epoch)
+        return protocol.pack(reply)
+
+    def _dispatch(self, op: str, keys: list[str], msg: dict) -> dict:
+        ix = self.index
+        if op == "hello":
+            return {"arena": self.arena_path, "capacity": self.capacity, "pid": os.getpid()}
+        if op == "exists":
+            return {"found": ix.exists(keys)}
+        if op == "reserve":
+            res = ix.reserve(keys, msg["sizes"])
+            return {"status": [int(s) for s, _ in res], "offsets": [o for _, o in res]}
+        if op == "commit":
+            return {"status": [int(s) for s in ix.commit(keys)]}
+        if op == "abort":
+            ix.abort(keys)
+            return {}
+        if op == "lease":
+            res = ix.lease(keys)
+            return {"status": [int(r[0]) for r in res], "offsets": [r[1] for r in res],
+                    "sizes": [r[2] for r in res]}
+        if op == "release":
+            ix.release(keys)
+            return {}
+        if op == "remove":
+            return {"status": [int(s) for s in ix.remove(keys)]}
+        if op == "stats":
+            return {"stats": {**ix.stats(), "requests": self.requests, "rejected": self.rejected,
+                              "pid": os.getpid(), "epoch": self.epoch}}
+        if op == "list":
+            return {"entries": ix.list(msg.get("prefix", ""))[:10000]}
+        raise AssertionError(op)  # protocol.unpack_request admits only OPS
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def serve(socket_path: str, capacity: int, lease_ttl_s: float = 30.0,
+          parent_pid: int | None = None) -> None:
+    server = PoolServer(socket_path, capacity, lease_ttl_s=lease_ttl_s, parent_pid=parent_pid)
+    signal.signal(signal.SIGTERM, server.stop)
+    signal.signal(signal.SIGINT, server.stop)
+    server.serve_forever()

@@ -1,0 +1,168 @@
+"""Parse and validate ``kv_connector_extra_config`` once, into frozen dataclasses.
+
+Every key the connector understands is read here and nowhere else. Unknown keys and
+bad values raise ``ConfigError`` naming the key and what is accepted, so a typo fails
+at engine start instead of silently falling back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+BACKENDS = ("local",)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or has a bad value."""
+
+
+def parse_size(value: Any, key: str) -> int:
+    """``"8GiB"``, ``"512MB"``, ``1073741824`` -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size like '8GiB' or an integer, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        unit = (m.group(2) or "").upper().rstrip("B")
+        size = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise ConfigError(f"{key}: expected a size like '8GiB' or an integer, got {value!r}")
+    if size <= 0:
+        raise ConfigError(f"{key}: must be positive, got {value!r}")
+    return size
+
+
+def default_socket_path() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return os.path.join(base, f"ascend-store-{os.getuid()}", "pool.sock")
+
+
+class _Reader:
+    """Takes keys out of one config section and complains about leftovers."""
+
+    def __init__(self, section: str, raw: Any):
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{section or 'kv_connector_extra_config'}: expected an object, "
+                              f"got {type(raw).__name__}")
+        self.section = section
+        self.raw = dict(raw)
+
+    def name(self, key: str) -> str:
+        return f"{self.section}.{key}" if self.section else key
+
+    def take(self, key: str, default: Any, kind: type | tuple[type, ...]) -> Any:
+        if key not in self.raw:
+            return default
+        value = self.raw.pop(key)
+        ok = isinstance(value, kind) and not (isinstance(value, bool) and kind in (int, float))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+            raise ConfigError(f"{self.name(key)}: expected {names}, got {value!r}")
+        return value
+
+    def choice(self, key: str, default: str, accepted: tuple[str, ...]) -> str:
+        value = self.take(key, default, str)
+        if value not in accepted:
+            raise ConfigError(f"{self.name(key)}: got {value!r}, accepted values: {', '.join(accepted)}")
+        return value
+
+    def positive(self, key: str, default: float, kind: type = float) -> Any:
+        value = self.take(key, default, kind)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{self.name(key)}: must be positive, got {value!r}")
+        return value
+
+    def finish(self, accepted: tuple[str, ...]) -> None:
+        if self.raw:
+            bad = ", ".join(sorted(self.name(k) for k in self.raw))
+            raise ConfigError(f"unknown key(s) {bad}; accepted keys"
+                              f"{' in ' + self.section if self.section else ''}: {', '.join(accepted)}")
+
+
+@dataclass(frozen=True)
+class LocalPoolConfig:
+    socket: str = field(default_factory=default_socket_path)
+    capacity: int = 8 * 2**30
+    # "auto": start a pool inside the engine when none answers at ``socket``;
+    # "never": require a standalone pool (requests recompute while it is down).
+    start: str = "auto"
+    lease_ttl_s: float = 30.0
+
+    KEYS = ("socket", "capacity", "start", "lease_ttl_s")
+
+    @classmethod
+    def parse(cls, raw: Any) -> "LocalPoolConfig":
+        r = _Reader("local", raw)
+        socket = r.take("socket", None, str) or default_socket_path()
+        capacity = parse_size(r.raw.pop("capacity"), "local.capacity") if "capacity" in r.raw else cls.capacity
+        cfg = cls(socket=os.path.abspath(socket), capacity=capacity,
+                  start=r.choice("start", "auto", ("auto", "never")),
+                  lease_ttl_s=r.positive("lease_ttl_s", 30.0))
+        r.finish(cls.KEYS)
+        return cfg
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    backend: str = "local"
+    use_layerwise: bool = True
+    # Tokens per pool object; a multiple of the engine's block size (0: one block).
+    chunk_size: int = 0
+    # Bound on every backend call; a slower call counts as a failure (recompute).
+    timeout_s: float = 5.0
+    # How long the forward waits for one layer's load before treating it as failed.
+    load_timeout_s: float = 30.0
+    verify_checksum: bool = True
+    local: LocalPoolConfig = field(default_factory=LocalPoolConfig)
+
+    KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
+            "verify_checksum", "local")
+
+    @classmethod
+    def parse(cls, raw: Any) -> "StoreConfig":
+        r = _Reader("", raw)
+        backend = r.choice("backend", "local", BACKENDS)
+        chunk_size = r.take("chunk_size", 0, int)
+        if chunk_size < 0:
+            raise ConfigError(f"chunk_size: must be >= 0 (0 = one block), got {chunk_size}")
+        cfg = cls(
+            backend=backend,
+            use_layerwise=r.take("use_layerwise", True, bool),
+            chunk_size=chunk_size,
+            timeout_s=r.positive("timeout_s", 5.0),
+            load_timeout_s=r.positive("load_timeout_s", 30.0),
+            verify_checksum=r.take("verify_checksum", True, bool),
+            local=LocalPoolConfig.parse(r.raw.pop("local", None)),
+        )
+        r.finish(cls.KEYS)
+        return cfg
+
+    def chunk_tokens(self, block_size: int) -> int:
+        if self.chunk_size == 0:
+            return block_size
+        if self.chunk_size % block_size:
+            raise ConfigError(f"chunk_size: must be a multiple of the block size {block_size}, "
+                              f"got {self.chunk_size}")
+        return self.chunk_size
+
+
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+def check_transfer_config(kv_transfer_config: Any) -> StoreConfig:
+    """Validate the parts of vLLM's KVTransferConfig we depend on; return our config."""
+    role = kv_transfer_config.kv_role
+    if role not in ROLES:
+        raise ConfigError(f"kv_role: got {role!r}, accepted values: {', '.join(ROLES)}")
+    return StoreConfig.parse(kv_transfer_config.kv_connector_extra_config)

@@ -1,0 +1,80 @@
+"""``AscendStoreConnector``: the class vLLM loads. It only routes to one half per role.
+
+    --kv-transfer-config '{"kv_connector": "AscendStoreConnector",
+                           "kv_connector_module_path": "ascend_store.connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"backend": "local"}}'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from ascend_store.config import check_transfer_config
+
+
+class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        cfg = check_transfer_config(ktc)
+        self.scheduler = self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from ascend_store.pool_scheduler import PoolScheduler
+
+            self.scheduler = PoolScheduler(vllm_config, kv_cache_config, cfg, ktc.kv_role)
+        else:
+            from ascend_store.pool_worker import PoolWorker
+
+            self.worker = PoolWorker(vllm_config, kv_cache_config, cfg, ktc.kv_role)
+
+    # A dropped save is a future miss, not lost data: nothing must wait for delivery.
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # -- scheduler side -------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
+
+    # -- worker side ----------------------------------------------------------
+    def register_kv_caches(self, kv_caches):
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self.worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        self.worker.save_kv_layer(layer_name, self._connector_metadata)
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._connector_metadata)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        half = self.scheduler or self.worker
+        if half is not None:
+            half.shutdown()

@@ -1,0 +1,99 @@
+"""Pool keys: a namespace from the model identity plus chained hashes of token ids.
+
+vLLM's own block hashes are seeded per process unless PYTHONHASHSEED is set, so two
+instances would never agree on them. We hash token ids ourselves with BLAKE2b: chunk
+i's hash covers chunk i's tokens and the hash of chunk i-1, so one key names a whole
+prefix, the same in every process and on every machine.
+
+Key layout: ``{namespace}/g{group}/tp{rank}of{size}/L{layer}/{chain-hash}``.
+The layer is vLLM's global layer index, so a pipeline stage names the same layer the
+same way whatever the PP size; the TP shard is part of the key because each rank
+holds a different slice of the heads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+FORMAT_VERSION = 1
+_SEED = b"ascend-store/v1"
+KEY_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,256}$")
+_LAYER_NUM = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Everything that changes the bytes of a KV block for the same tokens."""
+
+    model: str
+    revision: str
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    chunk_size: int
+    tp_size: int
+    device: str
+    codec: str = "raw"
+    format_version: int = FORMAT_VERSION
+
+    def namespace(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.blake2b(blob, digest_size=8).hexdigest()
+
+
+def normalize_model_name(model: str) -> str:
+    """A local path and the same path with a trailing slash are one model."""
+    if os.sep in model or model.startswith("."):
+        return os.path.normpath(os.path.abspath(model))
+    return model.rstrip("/")
+
+
+def identity_from_vllm(vllm_config, chunk_size: int) -> ModelIdentity:
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    return ModelIdentity(
+        model=normalize_model_name(str(mc.model)),
+        revision=str(mc.revision or ""),
+        dtype=str(mc.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(cc.cache_dtype),
+        block_size=int(cc.block_size),
+        chunk_size=chunk_size,
+        tp_size=int(pc.tensor_parallel_size),
+        device=str(vllm_config.device_config.device_type),
+    )
+
+
+def chunk_hashes(token_ids, chunk_size: int) -> list[str]:
+    """Chained hashes of every full chunk of ``token_ids`` (a partial tail is not hashed)."""
+    n_full = len(token_ids) // chunk_size
+    if n_full == 0:
+        return []
+    tokens = np.asarray(token_ids[: n_full * chunk_size], dtype="<u4").tobytes()
+    step = chunk_size * 4
+    prev, out = _SEED, []
+    for i in range(n_full):
+        h = hashlib.blake2b(tokens[i * step:(i + 1) * step], digest_size=16, key=prev[:64])
+        prev = h.digest()
+        out.append(h.hexdigest())
+    return out
+
+
+def layer_index(layer_name: str, position: int) -> int:
+    """vLLM's global layer number from a module name (``model.layers.7.self_attn.attn``)."""
+    found = _LAYER_NUM.findall(f".{layer_name}.")
+    return int(found[-1]) if found else position
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    namespace: str
+    tp_rank: int
+    tp_size: int
+
+    def key(self, group: int, layer: int, chunk_hash: str) -> str:
+        return f"{self.namespace}/g{group}/tp{self.tp_rank}of{self.tp_size}/L{layer}/{chunk_hash}"

@@ -1,0 +1,18 @@
+"""Which layers the pool stores, and the stable ids their keys use."""
+
+from __future__ import annotations
+
+from ascend_store.keys import layer_index
+
+
+def layer_ids(kv_cache_config) -> dict[str, tuple[int, int]]:
+    """layer name -> (KV cache group, global layer id), in the model's layer order.
+
+    The id is vLLM's layer number from the module name; if two layers share a number
+    (several attention modules in one block) positions are used instead.
+    """
+    names = [(g, n) for g, grp in enumerate(kv_cache_config.kv_cache_groups) for n in grp.layer_names]
+    ids = [layer_index(n, i) for i, (_, n) in enumerate(names)]
+    if len(set(ids)) != len(ids):
+        ids = list(range(len(names)))
+    return {n: (g, i) for (g, n), i in zip(names, ids)}

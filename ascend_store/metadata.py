@@ -1,0 +1,38 @@
+"""Per-step messages from the scheduler half to the worker half.
+
+Plain dataclasses of ints and strings: vLLM ships them to worker processes as-is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class ChunkLoad:
+    """Load one chunk's pages ``skip..`` into ``block_ids`` (the first ``skip`` pages
+    are already in the device cache and are left alone)."""
+
+    req_id: str
+    group: int
+    chunk_hash: str
+    block_ids: list[int]
+    skip: int = 0
+
+
+@dataclass
+class ChunkSave:
+    """Publish one full chunk, whose pages sit in ``block_ids``, under ``chunk_hash``."""
+
+    req_id: str
+    group: int
+    chunk_hash: str
+    block_ids: list[int]
+
+
+@dataclass
+class StepMetadata(KVConnectorMetadata):
+    loads: list[ChunkLoad] = field(default_factory=list)
+    saves: list[ChunkSave] = field(default_factory=list)

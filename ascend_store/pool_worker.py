@@ -1,0 +1,264 @@
+"""Worker half: registers vLLM's KV caches and moves their blocks to and from the pool.
+
+Loads and saves run on two background threads, one job per step each:
+- load: one ``lease`` for every (layer, chunk) object of the step, then layer by layer
+  verify and scatter into the cache, setting that layer's event; ``wait_for_layer_load``
+  waits only for its own layer. Missing or corrupt objects mark their chunk failed; the
+  blocks are reported through ``get_block_ids_with_load_errors`` and vLLM recomputes.
+- save: one ``reserve`` for every (layer, chunk) object, a copy task per layer queued by
+  ``save_kv_layer`` right after the layer wrote its KV, and one ``commit`` in
+  ``wait_for_save``.
+With ``use_layerwise: false`` the same jobs run whole: the load before the forward, the
+save after it. No failure in a transfer ever propagates into the forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import torch
+
+from ascend_store.backends import BackendUnavailable, Status, create_backend
+from ascend_store.config import StoreConfig
+from ascend_store.keys import KeySpace, identity_from_vllm
+from ascend_store.layers import layer_ids
+from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata
+from ascend_store.transfer import CorruptObject, LayerLayout, object_bytes, read_object, write_object
+
+log = logging.getLogger("ascend_store")
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, ImportError):  # no TP group (single process tools, tests)
+        return 0
+
+
+class _LoadJob:
+    def __init__(self, loads: list[ChunkLoad], layers: list[str]):
+        self.loads = loads
+        self.events = {name: threading.Event() for name in layers}
+        self.failed: set[int] = set()  # indexes into loads
+        self.cancelled = False
+        self.future: Future | None = None
+
+
+class _SaveJob:
+    def __init__(self, saves: list[ChunkSave]):
+        self.saves = saves
+        self.slots: dict[tuple[str, int], tuple[str, int, int]] = {}  # (layer, j) -> key, off, size
+        self.failed: set[str] = set()
+        self.futures: list[Future] = []
+
+
+class PoolWorker:
+    def __init__(self, vllm_config, kv_cache_config, cfg: StoreConfig, kv_role: str):
+        self.cfg = cfg
+        self.block_size = vllm_config.cache_config.block_size
+        self.blocks_per_chunk = cfg.chunk_tokens(self.block_size) // self.block_size
+        identity = identity_from_vllm(vllm_config, self.blocks_per_chunk * self.block_size)
+        self.keyspace = KeySpace(identity.namespace(), _tp_rank(), identity.tp_size)
+        self.layer_ids = layer_ids(kv_cache_config)
+        self.num_blocks = kv_cache_config.num_blocks
+        self.backend = create_backend(cfg, role="worker")
+        self.layouts: dict[str, LayerLayout] = {}
+        self.order: list[str] = []
+        self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-load")
+        self._save_thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-save")
+        self._load: _LoadJob | None = None
+        self._save: _SaveJob | None = None
+        self._arena: tuple[str, torch.Tensor] | None = None
+        self.counters: Counter[str] = Counter()
+        self.step_hooks: deque[tuple[int, int]] = deque(maxlen=4096)  # (waits, saves) per step
+        self._waits = self._saves = 0
+
+    # -- setup ----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for name, tensor in kv_caches.items():
+            if name not in self.layer_ids:
+                raise ValueError(f"KV cache layer {name!r} is not in the KV cache config")
+            self.layouts[name] = LayerLayout.of(tensor, self.num_blocks)
+        self.order = [n for n in self.layer_ids if n in self.layouts]
+        first = self.layouts[self.order[0]]
+        log.info("ascend-store: %d layers, page %s (%d bytes), %d blocks per object, keys %s",
+                 len(self.order), first.describe(), first.page_bytes, self.blocks_per_chunk,
+                 self.keyspace.namespace)
+
+    def _key(self, layer: str, group: int, chunk_hash: str) -> str:
+        return self.keyspace.key(group, self.layer_ids[layer][1], chunk_hash)
+
+    def _arena_tensor(self) -> torch.Tensor:
+        epoch, view = self.backend.buffer()
+        if self._arena is None or self._arena[0] != epoch:
+            self._arena = (epoch, torch.frombuffer(view, dtype=torch.uint8))
+        return self._arena[1]
+
+    # -- loads ----------------------------------------------------------------
+    def start_load_kv(self, meta: StepMetadata) -> None:
+        self.counters["steps"] += 1
+        if not meta.loads:
+            return
+        job = self._load = _LoadJob(meta.loads, self.order)
+        job.future = self._load_thread.submit(self._run_load, job)
+        if not self.cfg.use_layerwise:
+            self._finish_load(job)
+
+    def _run_load(self, job: _LoadJob) -> None:
+        leased: list[str] = []
+        try:
+            arena = self._arena_tensor()
+            plan = [(name, j, self._key(name, ld.group, ld.chunk_hash))
+                    for name in self.order for j, ld in enumerate(job.loads)
+                    if ld.group == self.layer_ids[name][0]]
+            slots = self.backend.lease([k for _, _, k in plan])
+            leased = [k for (_, _, k), s in zip(plan, slots) if s.status is Status.OK]
+            by_layer: dict[str, list] = {}
+            for (name, j, key), slot in zip(plan, slots):
+                by_layer.setdefault(name, []).append((j, key, slot))
+            for name in self.order:
+                if job.cancelled:
+                    break
+                for j, key, slot in by_layer.get(name, ()):
+                    if j in job.failed:
+                        continue
+                    if slot.status is not Status.OK:
+                        self.counters["load_missing"] += 1
+                        job.failed.add(j)
+                        continue
+                    ld = job.loads[j]
+                    try:
+                        read_object(arena[slot.offset:slot.offset + slot.size], self.layouts[name],
+                                    ld.block_ids, ld.skip, key, self.blocks_per_chunk,
+                                    self.cfg.verify_checksum)
+                    except CorruptObject as exc:
+                        self.counters["load_corrupt"] += 1
+                        log.warning("KV pool object rejected, recomputing: %s", exc)
+                        job.failed.add(j)
+                        continue
+                    self.counters["loaded_objects"] += 1
+                    self.counters["loaded_bytes"] += slot.size
+                job.events[name].set()
+        except Exception as exc:  # the pool is an optimization: never fail the forward
+            if not isinstance(exc, BackendUnavailable):
+                log.exception("KV pool load failed; recomputing")
+            self.counters["load_errors"] += 1
+            job.failed.update(range(len(job.loads)))
+        finally:
+            for ev in job.events.values():
+                ev.set()
+            if leased:
+                try:
+                    self.backend.release(leased)
+                except BackendUnavailable:
+                    pass  # the pool drops our leases when their TTL ends
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._waits += 1
+        job = self._load
+        if job is None or not self.cfg.use_layerwise:
+            return
+        ev = job.events.get(layer_name)
+        if ev is not None and not ev.wait(self.cfg.load_timeout_s):
+            self._abandon(job, f"layer {layer_name} not loaded within {self.cfg.load_timeout_s}s")
+
+    def _abandon(self, job: _LoadJob, why: str) -> None:
+        log.warning("KV pool load abandoned (%s); recomputing", why)
+        self.counters["load_timeouts"] += 1
+        job.cancelled = True
+        job.failed.update(range(len(job.loads)))
+
+    def _finish_load(self, job: _LoadJob) -> None:
+        if wait([job.future], timeout=self.cfg.load_timeout_s).not_done:
+            self._abandon(job, "load job did not finish")
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        job, self._load = self._load, None
+        if job is None:
+            return set()
+        self._finish_load(job)
+        bad = {b for j in job.failed for b in job.loads[j].block_ids}
+        self.counters["failed_blocks"] += len(bad)
+        return bad
+
+    # -- saves ----------------------------------------------------------------
+    def save_kv_layer(self, layer_name: str, meta: StepMetadata | None) -> None:
+        self._saves += 1
+        if not self.cfg.use_layerwise:
+            return
+        job = self._save_job(meta)
+        if job is not None and layer_name in self.layouts:
+            job.futures.append(self._save_thread.submit(self._run_save_layer, job, layer_name))
+
+    def _save_job(self, meta: StepMetadata | None) -> _SaveJob | None:
+        if self._save is None and meta is not None and meta.saves:
+            self._save = _SaveJob(meta.saves)
+            self._save.futures.append(self._save_thread.submit(self._run_reserve, self._save))
+        return self._save
+
+    def _run_reserve(self, job: _SaveJob) -> None:
+        try:
+            self._arena_tensor()  # map the arena first so slot bounds are checked against it
+            plan = [(name, j, self._key(name, sv.group, sv.chunk_hash))
+                    for name in self.order for j, sv in enumerate(job.saves)
+                    if sv.group == self.layer_ids[name][0]]
+            sizes = [object_bytes(self.layouts[n], self.blocks_per_chunk) for n, _, _ in plan]
+            for (name, j, key), slot in zip(plan, self.backend.reserve([k for _, _, k in plan], sizes)):
+                if slot.status is Status.OK:
+                    job.slots[(name, j)] = (key, slot.offset, slot.size)
+                else:
+                    self.counters["save_skipped_" + slot.status.name.lower()] += 1
+        except Exception as exc:
+            if not isinstance(exc, BackendUnavailable):
+                log.exception("KV pool reserve failed; not saving this step")
+            self.counters["save_errors"] += 1
+
+    def _run_save_layer(self, job: _SaveJob, name: str) -> None:
+        arena = self._arena_tensor()
+        layout = self.layouts[name]
+        for j, sv in enumerate(job.saves):
+            target = job.slots.get((name, j))
+            if target is None:
+                continue
+            key, off, size = target
+            try:
+                write_object(arena[off:off + size], layout, sv.block_ids, key, self.cfg.verify_checksum)
+            except Exception:
+                log.exception("KV pool save of %s failed", key)
+                job.failed.add(key)
+
+    def wait_for_save(self, meta: StepMetadata | None) -> None:
+        if self._waits or self._saves:
+            self.step_hooks.append((self._waits, self._saves))
+        self._waits = self._saves = 0
+        job = self._save_job(meta)
+        self._save = None
+        if job is None:
+            return
+        if not self.cfg.use_layerwise:
+            job.futures += [self._save_thread.submit(self._run_save_layer, job, n) for n in self.order]
+        if wait(job.futures, timeout=self.cfg.load_timeout_s).not_done:
+            log.warning("KV pool save did not finish in time; its objects expire unpublished")
+            self.counters["save_errors"] += 1
+            return
+        sizes = {key: size for key, _, size in job.slots.values()}
+        done = [k for k in sizes if k not in job.failed]
+        try:
+            self.backend.abort(sorted(job.failed))
+            for key, status in zip(done, self.backend.commit(done)):
+                if status is Status.OK:
+                    self.counters["saved_objects"] += 1
+                    self.counters["saved_bytes"] += sizes.get(key, 0)
+        except BackendUnavailable:
+            self.counters["save_errors"] += 1
+
+    def shutdown(self) -> None:
+        self._load_thread.shutdown(wait=True, cancel_futures=True)
+        self._save_thread.shutdown(wait=True, cancel_futures=True)
+        self._arena = None
+        self.backend.close()

