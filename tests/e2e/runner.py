@@ -3,13 +3,15 @@
 Each engine gets a fresh process, so a pool hit can only come from the pool. Usage:
     python tests/e2e/runner.py JOB.json   (prints one JSON line prefixed with RESULT)
 Job: {"model", "kv_config" | null, "rounds": [[token-id prompts], ...], "max_tokens",
-      "block_size", "prefix_caching", "reset_between_rounds"}
+      "block_size", "prefix_caching", "reset_between_rounds",
+      "between": [shell command run after round i, or null]}
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,9 +49,12 @@ def main(job_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=0,
                             ignore_eos=True)
     rounds = []
+    between = job.get("between", [])
     for i, prompts in enumerate(job["rounds"]):
         if i and job.get("reset_between_rounds"):
             llm.reset_prefix_cache()
+        if i and i - 1 < len(between) and between[i - 1]:
+            subprocess.run(between[i - 1], shell=True, check=True)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                             use_tqdm=False)
         rounds.append([{

@@ -1,0 +1,117 @@
+"""The README's demo: real vLLM (CPU) with AscendStoreConnector on the embedded pool.
+
+A standalone local pool runs for the demo. Engine A serves a shared-prefix workload
+(4 documents x 3 questions) into an empty pool; engine B, a fresh process, serves it
+again. vLLM's own prefix cache is off, so every reused token comes from the pool.
+Each request runs alone with max_tokens=1, so its wall time is its TTFT.
+
+    python benchmarks/demo.py [--docs 4] [--questions 3] [--doc-tokens 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, REPO)
+for k, v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0",
+             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}.items():
+    os.environ.setdefault(k, v)
+
+
+def workload(docs: int, questions: int, doc_tokens: int) -> list[list[int]]:
+    rng = random.Random(0)
+    out = []
+    for _ in range(docs):
+        doc = [rng.randrange(2, 500) for _ in range(doc_tokens)]
+        out += [doc + [rng.randrange(2, 500) for _ in range(48)] for _ in range(questions)]
+    return out
+
+
+def serve(model: str, socket: str, prompts: list[list[int]]) -> list[dict]:
+    """Run inside a fresh process: one engine, each request alone, wall time per request."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kv = KVTransferConfig(kv_connector="AscendStoreConnector", kv_connector_module_path="ascend_store.connector",
+                          kv_role="kv_both", kv_load_failure_policy="recompute",
+                          kv_connector_extra_config={"backend": "local", "use_layerwise": True,
+                                                     "local": {"socket": socket, "start": "never"}})
+    llm = LLM(model=model, dtype="float32", block_size=128, enable_prefix_caching=False,
+              max_model_len=4096, distributed_executor_backend="uni", enforce_eager=True,
+              kv_transfer_config=kv, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([TokensPrompt(prompt_token_ids=[5] * 8)], params, use_tqdm=False)  # warm-up
+    rows = []
+    for p in prompts:
+        t = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0]
+        rows.append({"ttft_ms": (time.perf_counter() - t) * 1e3, "prompt": len(p),
+                     "loaded": out.num_cached_tokens or 0})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--docs", type=int, default=4)
+    ap.add_argument("--questions", type=int, default=3)
+    ap.add_argument("--doc-tokens", type=int, default=1024)
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    prompts = workload(args.docs, args.questions, args.doc_tokens)
+    if args.phase:
+        model, socket = args.phase.split(",")
+        print("ROWS " + json.dumps(serve(model, socket, prompts)), flush=True)
+        return
+
+    from ascend_store.backends.local.launcher import ping
+    from tests.e2e.models import build_llama
+
+    model = build_llama("llama-demo", layers=8, hidden=512, heads=8, kv_heads=4)
+    socket = os.path.join(tempfile.mkdtemp(prefix="ascend-store-demo-"), "pool.sock")
+    pool = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", socket,
+                             "--capacity", "2GiB"], stderr=subprocess.DEVNULL)
+    try:
+        while not ping(socket):
+            time.sleep(0.1)
+        phases = {}
+        for name in ("engine A (empty pool)", "engine B (fresh process)"):
+            print(f"running {name} ...", flush=True)
+            proc = subprocess.run([sys.executable, __file__, "--docs", str(args.docs), "--questions",
+                                   str(args.questions), "--doc-tokens", str(args.doc_tokens),
+                                   "--phase", f"{model},{socket}"], capture_output=True, text=True)
+            line = [x for x in proc.stdout.splitlines() if x.startswith("ROWS ")]
+            if proc.returncode or not line:
+                sys.exit(f"{name} failed:\n{proc.stderr[-4000:]}")
+            phases[name] = json.loads(line[0][5:])
+    finally:
+        pool.terminate()
+    print()
+    print(f"{'phase':<26}{'requests':>9}{'prompt tok':>11}{'from pool':>10}"
+          f"{'TTFT miss ms':>13}{'TTFT hit ms':>12}")
+    all_rows = [r for rows in phases.values() for r in rows]
+    for name, rows in phases.items():
+        miss = [r["ttft_ms"] for r in rows if r["loaded"] == 0]
+        hit = [r["ttft_ms"] for r in rows if r["loaded"] > 0]
+        fmt = lambda xs: f"{statistics.median(xs):.1f}" if xs else "-"  # noqa: E731
+        print(f"{name:<26}{len(rows):>9}{sum(r['prompt'] for r in rows):>11}"
+              f"{sum(r['loaded'] for r in rows):>10}{fmt(miss):>13}{fmt(hit):>12}")
+    miss = [r["ttft_ms"] for r in all_rows if r["loaded"] == 0]
+    hit = [r["ttft_ms"] for r in all_rows if r["loaded"] > 0]
+    if miss and hit:
+        print(f"\nmedian TTFT: {statistics.median(miss):.1f} ms recomputed, {statistics.median(hit):.1f} ms "
+              f"with a pool hit ({statistics.median(miss) / statistics.median(hit):.1f}x), "
+              "vLLM prefix caching off, layerwise on, CPU.")
+
+
+if __name__ == "__main__":
+    main()

