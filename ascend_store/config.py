@@ -105,10 +105,29 @@ class LocalPoolConfig:
     def parse(cls, raw: Any) -> "LocalPoolConfig":
         r = _Reader("local", raw)
         socket = r.take("socket", None, str) or default_socket_path()
-        capacity = parse_size(r.raw.pop("capacity"), "local.capacity") if "capacity" in r.raw else cls.capacity
+        capacity = cls.capacity
+        if "capacity" in r.raw:
+            capacity = parse_size(r.raw.pop("capacity"), "local.capacity")
         cfg = cls(socket=os.path.abspath(socket), capacity=capacity,
                   start=r.choice("start", "auto", ("auto", "never")),
                   lease_ttl_s=r.positive("lease_ttl_s", 30.0))
+        r.finish(cls.KEYS)
+        return cfg
+
+
+@dataclass(frozen=True)
+class LookupCacheConfig:
+    enabled: bool = True
+    ttl_s: float = 30.0
+    max_entries: int = 200_000
+
+    KEYS = ("enabled", "ttl_s", "max_entries")
+
+    @classmethod
+    def parse(cls, raw: Any) -> "LookupCacheConfig":
+        r = _Reader("lookup_cache", raw)
+        cfg = cls(enabled=r.take("enabled", True, bool), ttl_s=r.positive("ttl_s", 30.0),
+                  max_entries=r.positive("max_entries", 200_000, int))
         r.finish(cls.KEYS)
         return cfg
 
@@ -125,9 +144,10 @@ class StoreConfig:
     load_timeout_s: float = 30.0
     verify_checksum: bool = True
     local: LocalPoolConfig = field(default_factory=LocalPoolConfig)
+    lookup_cache: LookupCacheConfig = field(default_factory=LookupCacheConfig)
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
-            "verify_checksum", "local")
+            "verify_checksum", "local", "lookup_cache")
 
     @classmethod
     def parse(cls, raw: Any) -> "StoreConfig":
@@ -144,6 +164,7 @@ class StoreConfig:
             load_timeout_s=r.positive("load_timeout_s", 30.0),
             verify_checksum=r.take("verify_checksum", True, bool),
             local=LocalPoolConfig.parse(r.raw.pop("local", None)),
+            lookup_cache=LookupCacheConfig.parse(r.raw.pop("lookup_cache", None)),
         )
         r.finish(cls.KEYS)
         return cfg

@@ -49,6 +49,9 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output):
         return self.scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)
 
@@ -73,6 +76,9 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self):
+        return self.worker.build_connector_worker_meta()
 
     def shutdown(self) -> None:
         half = self.scheduler or self.worker

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass
@@ -36,3 +39,14 @@ class ChunkSave:
 class StepMetadata(KVConnectorMetadata):
     loads: list[ChunkLoad] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, per step: chunks whose load failed (missing or corrupt), so
+    the scheduler's lookup cache stops calling them hits."""
+
+    failed_chunks: list[str] = field(default_factory=list)
+
+    def aggregate(self, other: "WorkerReport") -> "WorkerReport":
+        return WorkerReport(sorted(set(self.failed_chunks) | set(other.failed_chunks)))

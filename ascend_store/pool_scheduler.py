@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 from ascend_store.backends import BackendUnavailable, create_backend
 from ascend_store.config import StoreConfig
+from ascend_store.hit_cache import BlockHitCache
 from ascend_store.keys import KeySpace, chunk_hashes, identity_from_vllm
 from ascend_store.layers import layer_ids
-from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata
+from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
 
 log = logging.getLogger("ascend_store")
 
@@ -46,27 +47,44 @@ class PoolScheduler:
         self.keyspaces = [KeySpace(identity.namespace(), r, tp) for r in range(tp)]
         self.layers = sorted(set(layer_ids(kv_cache_config).values()))
         self.backend = create_backend(cfg, role="scheduler") if self.can_load else None
+        lc = cfg.lookup_cache
+        self.hit_cache = BlockHitCache(lc.ttl_s, lc.max_entries) if lc.enabled and self.can_load else None
         self._reqs: dict[str, _Request] = {}
-        self.counters = {"lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "queried_tokens": 0}
+        self.counters = {"lookups": 0, "lookup_rpcs": 0, "lookup_errors": 0, "hit_tokens": 0,
+                         "queried_tokens": 0}
 
     # -- lookup ---------------------------------------------------------------
     def _pool_hit_chunks(self, hashes: list[str], start: int) -> int:
-        """Number of leading chunks (from 0) the pool holds, checking from ``start``."""
-        if start >= len(hashes):
-            return start
-        keys = [ks.key(g, layer, h) for h in hashes[start:] for ks in self.keyspaces
-                for g, layer in self.layers]
+        """Number of leading chunks (from 0) the pool holds, checking from ``start``.
+
+        Cached answers are used first: a cached miss ends the prefix with no call at all;
+        the uncached rest goes to the pool in one batch and every answer is cached."""
         self.counters["lookups"] += 1
+        cache = self.hit_cache
+        i = start
+        if cache is not None:
+            cache.observe(self.backend.generation())
+            while i < len(hashes) and (hit := cache.get(hashes[i])) is not None:
+                if not hit:
+                    return i
+                i += 1
+        if i >= len(hashes):
+            return i
+        keys = [ks.key(g, layer, h) for h in hashes[i:] for ks in self.keyspaces
+                for g, layer in self.layers]
+        self.counters["lookup_rpcs"] += 1
         try:
             found = self.backend.exists(keys)
         except BackendUnavailable:
             self.counters["lookup_errors"] += 1
-            return start
+            return i
         per_chunk = len(self.keyspaces) * len(self.layers)
-        for i in range(len(hashes) - start):
-            if not all(found[i * per_chunk:(i + 1) * per_chunk]):
-                return start + i
-        return len(hashes)
+        hits = [all(found[j * per_chunk:(j + 1) * per_chunk]) for j in range(len(hashes) - i)]
+        if cache is not None:
+            cache.observe(self.backend.generation())
+            for h, hit in zip(hashes[i:], hits):
+                cache.put(h, hit)
+        return i + (hits.index(False) if False in hits else len(hits))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = request.prompt_token_ids or []
@@ -140,7 +158,14 @@ class PoolScheduler:
         for c in range(state.saved_chunks, done):
             meta.saves.append(ChunkSave(req_id, 0, state.hashes[c],
                                         state.block_ids[c * bpc:(c + 1) * bpc]))
+        if self.hit_cache is not None:  # a cached miss must not hide what we now save
+            self.hit_cache.invalidate(state.hashes[state.saved_chunks:done])
         state.saved_chunks = max(state.saved_chunks, done)
+
+    def update_connector_output(self, connector_output) -> None:
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(report, WorkerReport) and self.hit_cache is not None:
+            self.hit_cache.invalidate(report.failed_chunks)
 
     def request_finished(self, request) -> tuple[bool, None]:
         self._reqs.pop(request.request_id, None)

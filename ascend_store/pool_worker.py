@@ -25,7 +25,7 @@ from ascend_store.backends import BackendUnavailable, Status, create_backend
 from ascend_store.config import StoreConfig
 from ascend_store.keys import KeySpace, identity_from_vllm
 from ascend_store.layers import layer_ids
-from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata
+from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
 from ascend_store.transfer import CorruptObject, LayerLayout, object_bytes, read_object, write_object
 
 log = logging.getLogger("ascend_store")
@@ -77,6 +77,8 @@ class PoolWorker:
         self.counters: Counter[str] = Counter()
         self.step_hooks: deque[tuple[int, int]] = deque(maxlen=4096)  # (waits, saves) per step
         self._waits = self._saves = 0
+        self._failed_chunks: set[str] = set()
+        self._rpcs_seen = 0
 
     # -- setup ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -116,11 +118,13 @@ class PoolWorker:
             plan = [(name, j, self._key(name, ld.group, ld.chunk_hash))
                     for name in self.order for j, ld in enumerate(job.loads)
                     if ld.group == self.layer_ids[name][0]]
-            slots = self.backend.lease([k for _, _, k in plan])
-            leased = [k for (_, _, k), s in zip(plan, slots) if s.status is Status.OK]
+            # Requests sharing a prefix name the same objects: lease each key once.
+            unique = list(dict.fromkeys(k for _, _, k in plan))
+            slots = dict(zip(unique, self.backend.lease(unique)))
+            leased = [k for k, s in slots.items() if s.status is Status.OK]
             by_layer: dict[str, list] = {}
-            for (name, j, key), slot in zip(plan, slots):
-                by_layer.setdefault(name, []).append((j, key, slot))
+            for name, j, key in plan:
+                by_layer.setdefault(name, []).append((j, key, slots[key]))
             for name in self.order:
                 if job.cancelled:
                     break
@@ -183,8 +187,15 @@ class PoolWorker:
             return set()
         self._finish_load(job)
         bad = {b for j in job.failed for b in job.loads[j].block_ids}
+        self._failed_chunks.update(job.loads[j].chunk_hash for j in job.failed)
         self.counters["failed_blocks"] += len(bad)
         return bad
+
+    def build_connector_worker_meta(self) -> WorkerReport | None:
+        if not self._failed_chunks:
+            return None
+        report, self._failed_chunks = WorkerReport(sorted(self._failed_chunks)), set()
+        return report
 
     # -- saves ----------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, meta: StepMetadata | None) -> None:
@@ -207,6 +218,11 @@ class PoolWorker:
             plan = [(name, j, self._key(name, sv.group, sv.chunk_hash))
                     for name in self.order for j, sv in enumerate(job.saves)
                     if sv.group == self.layer_ids[name][0]]
+            # Requests sharing a prefix save the same chunk in one step: reserve it once.
+            first = {}
+            for entry in plan:
+                first.setdefault(entry[2], entry)
+            plan = list(first.values())
             sizes = [object_bytes(self.layouts[n], self.blocks_per_chunk) for n, _, _ in plan]
             for (name, j, key), slot in zip(plan, self.backend.reserve([k for _, _, k in plan], sizes)):
                 if slot.status is Status.OK:
@@ -236,6 +252,9 @@ class PoolWorker:
         if self._waits or self._saves:
             self.step_hooks.append((self._waits, self._saves))
         self._waits = self._saves = 0
+        rpcs = self.backend.rpcs
+        self.counters["max_rpcs_per_step"] = max(self.counters["max_rpcs_per_step"], rpcs - self._rpcs_seen)
+        self._rpcs_seen = rpcs
         job = self._save_job(meta)
         self._save = None
         if job is None:

@@ -42,7 +42,8 @@ def serve(model: str, socket: str, prompts: list[list[int]]) -> list[dict]:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    kv = KVTransferConfig(kv_connector="AscendStoreConnector", kv_connector_module_path="ascend_store.connector",
+    kv = KVTransferConfig(kv_connector="AscendStoreConnector",
+                          kv_connector_module_path="ascend_store.connector",
                           kv_role="kv_both", kv_load_failure_policy="recompute",
                           kv_connector_extra_config={"backend": "local", "use_layerwise": True,
                                                      "local": {"socket": socket, "start": "never"}})

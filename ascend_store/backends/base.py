@@ -70,3 +70,8 @@ class Backend(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def generation(self) -> tuple[str, int] | None:
+        """(epoch, evictions) as of the last reply, for caches that must notice restarts
+        and evictions without asking; None when the backend cannot tell."""
+        return None

@@ -33,6 +33,16 @@ def prompts() -> list[list[int]]:
     return [p0, p1, p2]
 
 
+def shared_prefix_prompts(n: int = 40) -> list[list[int]]:
+    """``n`` prompts of 10 blocks + 3 tokens; the first 9 blocks (90%) are shared."""
+    rng = random.Random(11)
+    shared = [rng.randrange(2, 500) for _ in range(9 * BLOCK)]
+    return [shared + [rng.randrange(2, 500) for _ in range(BLOCK + 3)] for _ in range(n)]
+
+
+PROMPT_SETS = {"basic": prompts, "shared": shared_prefix_prompts}
+
+
 def kv_config(socket: str, role: str = "kv_both", **extra) -> dict:
     local = {"socket": socket, "capacity": "256MiB", **extra.pop("local", {})}
     return {"kv_connector": "AscendStoreConnector", "kv_connector_module_path": "ascend_store.connector",

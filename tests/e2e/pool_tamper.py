@@ -1,8 +1,10 @@
 """Damage a running local pool on purpose, from outside the engine (test helper).
 
-    python tests/e2e/pool_tamper.py flip SOCKET PROMPT_INDEX   # flip a payload byte
-    python tests/e2e/pool_tamper.py swap SOCKET PROMPT_INDEX   # swap layer 0 and 1 objects
-    python tests/e2e/pool_tamper.py kill SOCKET                # SIGKILL the pool
+    python tests/e2e/pool_tamper.py flip SOCKET SET:INDEX     # flip a payload byte
+    python tests/e2e/pool_tamper.py swap SOCKET SET:INDEX     # swap layer 0 and 1 objects
+    python tests/e2e/pool_tamper.py remove SOCKET SET:INDEX   # delete the prompt's objects
+    python tests/e2e/pool_tamper.py kill SOCKET               # SIGKILL the pool
+SET is a prompt set of tests/e2e/conftest.py (PROMPT_SETS), INDEX a prompt in it.
 """
 
 from __future__ import annotations
@@ -15,17 +17,21 @@ from ascend_store.backends.local.client import LocalBackend
 from ascend_store.config import LocalPoolConfig
 from ascend_store.keys import chunk_hashes
 from ascend_store.transfer import HEADER_BYTES
-from tests.e2e.conftest import BLOCK, prompts
+from tests.e2e.conftest import BLOCK, PROMPT_SETS
 
 
-def main(op: str, socket: str, prompt_index: str = "0") -> None:
+def main(op: str, socket: str, prompt: str = "basic:0") -> None:
     client = LocalBackend(LocalPoolConfig(socket=socket, start="never"), timeout_s=2.0)
     if op == "kill":
         os.kill(client.stats()["pid"], signal.SIGKILL)
         return
-    hashes = set(chunk_hashes(prompts()[int(prompt_index)], BLOCK))
+    name, index = prompt.split(":")
+    hashes = set(chunk_hashes(PROMPT_SETS[name]()[int(index)], BLOCK))
     keys = sorted(k for k, _, ready, _ in client.list() if ready and k.rsplit("/", 1)[1] in hashes)
     assert keys, "no objects of that prompt in the pool"
+    if op == "remove":
+        print(f"remove: {client.remove(keys)}")
+        return
     _, view = client.buffer()
     slots = dict(zip(keys, client.lease(keys)))
     if op == "flip":

@@ -4,7 +4,7 @@ Each engine gets a fresh process, so a pool hit can only come from the pool. Usa
     python tests/e2e/runner.py JOB.json   (prints one JSON line prefixed with RESULT)
 Job: {"model", "kv_config" | null, "rounds": [[token-id prompts], ...], "max_tokens",
       "block_size", "prefix_caching", "reset_between_rounds",
-      "between": [shell command run after round i, or null]}
+      "between": [shell command run after round i, or null], "engine_args": {...}}
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def main(job_path: str) -> None:
     job = json.load(open(job_path))
     kwargs = dict(model=job["model"], dtype="float32", block_size=job.get("block_size", 32),
                   enable_prefix_caching=job.get("prefix_caching", False), max_model_len=2048,
-                  max_num_seqs=job.get("max_num_seqs", 8), distributed_executor_backend="uni",
-                  enforce_eager=True, seed=0)
+                  max_num_seqs=8, distributed_executor_backend="uni", enforce_eager=True, seed=0)
+    kwargs.update(job.get("engine_args", {}))
     if job.get("kv_config"):
         from vllm.config import KVTransferConfig
 

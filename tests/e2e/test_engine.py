@@ -52,7 +52,7 @@ def test_producer_then_consumer(tmp_path, model, baseline, pool):
 
 def test_corrupt_or_misplaced_objects_are_recomputed(tmp_path, model, baseline, pool):
     """Flipped payload bytes (prompt 0) and objects swapped between keys (prompt 2)."""
-    between = [f"{TAMPER} flip {pool.socket} 0 && {TAMPER} swap {pool.socket} 2"]
+    between = [f"{TAMPER} flip {pool.socket} basic:0 && {TAMPER} swap {pool.socket} basic:2"]
     r = run_engine(tmp_path, model, [prompts(), prompts()], kv_config(pool.socket), between=between)
     assert_same_outputs(r["rounds"][0], baseline)
     assert_same_outputs(r["rounds"][1], baseline)
@@ -77,3 +77,9 @@ def test_pool_killed_mid_run_requests_recompute(tmp_path, model, baseline, pool)
     assert_same_outputs(r["rounds"][1], baseline)
     assert all(o["num_cached_tokens"] == 0 for o in r["rounds"][1])
     assert r["scheduler"]["lookup_errors"] > 0
+
+
+def test_bad_config_key_stops_engine_start_naming_the_key(tmp_path, model):
+    kv = kv_config(str(tmp_path / "p.sock"), local={"capasity": "1GiB"})
+    with pytest.raises(AssertionError, match=r"local\.capasity.*accepted keys in local: socket, capacity"):
+        run_engine(tmp_path, model, [prompts()[:1]], kv)

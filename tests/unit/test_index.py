@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from itertools import pairwise
 
 import pytest
 
@@ -96,7 +97,7 @@ def test_reservations_do_not_overlap_and_are_aligned():
         assert off % ALIGN == 0
         spans.append((off, off + _aligned(size)))
     spans.sort()
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert all(a[1] <= b[0] for a, b in pairwise(spans))
     assert spans[-1][1] <= 16 * ALIGN
 
 
@@ -308,7 +309,7 @@ def test_randomized_no_overlap_and_accounting():
 
         live = {k for k, *_ in ix.list("")}
         spans = sorted(placed[k] for k in live)
-        for (o1, n1), (o2, _) in zip(spans, spans[1:]):
+        for (o1, n1), (o2, _) in pairwise(spans):
             assert o1 + n1 <= o2, f"step {step}: overlap"
         assert all(o >= 0 and o + n <= capacity for o, n in spans)
         used = sum(n for _, n in spans)
@@ -319,7 +320,7 @@ def test_randomized_no_overlap_and_accounting():
         free = sorted(ix.free._by_off.items())
         assert sum(n for _, n in free) == ix.free.free_bytes
         merged = sorted(spans + free)
-        for (o1, n1), (o2, _) in zip(merged, merged[1:]):
+        for (o1, n1), (o2, _) in pairwise(merged):
             assert o1 + n1 <= o2, f"step {step}: free segment overlaps an object"
     # The run exercised the interesting paths.
     assert counts[Status.OK] > 100 and counts[Status.EXISTS] > 50 and counts[Status.NO_SPACE] > 0

@@ -27,8 +27,9 @@ GOLDEN_0_64_32 = ["85439dd1e63b34a61c769dee3d5da79a", "bf63c0d896568259099a14fc5
 
 
 def _identity(**over):
-    base = dict(model="/models/llama", revision="abc", dtype="bfloat16", kv_cache_dtype="auto",
-                block_size=16, chunk_size=64, tp_size=2, device="cpu")
+    base = {"model": "/models/llama", "revision": "abc", "dtype": "bfloat16",
+            "kv_cache_dtype": "auto", "block_size": 16, "chunk_size": 64, "tp_size": 2,
+            "device": "cpu"}
     base.update(over)
     return ModelIdentity(**base)
 

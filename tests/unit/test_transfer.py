@@ -166,7 +166,7 @@ def _assert_rejected(obj, dl, dst, key=KEY, match=None):
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_flipped_payload_byte_detected(layout_case, where):
-    src, sl, dst, dl = _pair(layout_case[0])
+    _, sl, dst, dl = _pair(layout_case[0])
     obj = _written(sl)
     pos = {"first": HEADER_BYTES, "middle": (HEADER_BYTES + obj.numel()) // 2, "last": obj.numel() - 1}
     obj[pos[where]] ^= 0x10
@@ -175,12 +175,12 @@ def test_flipped_payload_byte_detected(layout_case, where):
 
 # Header: magic 0-3, version 4-5, flags 6-7, fingerprint 8-15, payload length 16-23,
 # crc 24-27, pad 28-31.
-PROTECTED_HEADER_BYTES = [*range(0, 6), *range(8, 28)]
+PROTECTED_HEADER_BYTES = [*range(6), *range(8, 28)]
 
 
 @pytest.mark.parametrize("pos", PROTECTED_HEADER_BYTES)
 def test_flipped_header_byte_detected(pos):
-    src, sl, dst, dl = _pair(cpu_cache)
+    _, sl, dst, dl = _pair(cpu_cache)
     obj = _written(sl)
     obj[pos] ^= 0x01
     _assert_rejected(obj, dl, dst)
@@ -200,14 +200,14 @@ def test_flipped_header_byte_never_yields_wrong_data(pos):
 
 
 def test_other_key_rejected(layout_case):
-    src, sl, dst, dl = _pair(layout_case[0])
+    _, sl, dst, dl = _pair(layout_case[0])
     obj = _written(sl)
     _assert_rejected(obj, dl, dst, key=KEY.replace("L3", "L4"), match="another key")
 
 
 @pytest.mark.parametrize("delta", [-1, 1, 512, -HEADER_BYTES])
 def test_wrong_size_buffer_rejected(delta):
-    src, sl, dst, dl = _pair(cpu_cache)
+    _, sl, dst, dl = _pair(cpu_cache)
     obj = _written(sl)
     n = obj.numel() + delta
     other = torch.zeros(n, dtype=torch.uint8)
@@ -216,7 +216,7 @@ def test_wrong_size_buffer_rejected(delta):
 
 
 def test_wrong_blocks_per_chunk_rejected():
-    src, sl, dst, dl = _pair(cpu_cache)
+    _, sl, dst, dl = _pair(cpu_cache)
     obj = _written(sl)
     with pytest.raises(CorruptObject):
         read_object(obj, dl, [0], 0, KEY, 1, checksum=True)
@@ -232,7 +232,7 @@ def test_wrong_blocks_per_chunk_rejected():
     torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM, dtype=torch.int32),  # same bytes, int
 ], ids=["shape", "dtype", "smaller", "int32"])
 def test_other_layout_rejected(other):
-    src, sl, _, _ = _pair(cpu_cache)
+    sl = LayerLayout.of(_fill(cpu_cache(), seed=1), NUM_BLOCKS)
     obj = _written(sl)
     ol = LayerLayout.of(other, NUM_BLOCKS)
     with pytest.raises(CorruptObject):

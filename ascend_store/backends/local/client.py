@@ -33,6 +33,7 @@ class LocalBackend(Backend):
         self._sock: zmq.Socket | None = None
         self._seq = 0
         self._epoch: str | None = None
+        self._evictions = 0
         self._mapped_epoch: str | None = None
         self._view: memoryview | None = None
         self.rpcs = 0
@@ -57,6 +58,7 @@ class LocalBackend(Backend):
     def _call(self, op: str, **fields) -> dict:
         with self._lock:
             reply = self._roundtrip(op, fields)
+            self._evictions = reply.get("evictions", self._evictions)
             if reply["epoch"] != self._epoch:
                 if self._epoch is not None:
                     log.warning("pool at %s restarted (epoch %s -> %s)", self.cfg.socket,
@@ -99,6 +101,9 @@ class LocalBackend(Backend):
         self._mapped_epoch = hello["epoch"]
 
     # -- Backend --------------------------------------------------------------
+    def generation(self) -> tuple[str, int] | None:
+        return None if self._epoch is None else (self._epoch, self._evictions)
+
     def buffer(self) -> tuple[str, memoryview]:
         if self._view is None or self._mapped_epoch != self._epoch:
             hello = self._call("hello")

@@ -57,6 +57,9 @@ class PoolServer:
         self.index = PoolIndex(capacity, lease_ttl_s=lease_ttl_s)
         self.requests = 0
         self.rejected = 0
+        # Keys asked per op, and keys repeated within one call: what the caches must keep low.
+        self.key_queries: dict[str, int] = {}
+        self.repeated_keys = 0
         prepare_socket_dir(self.socket_path)
         tag = hashlib.blake2b(self.socket_path.encode(), digest_size=6).hexdigest()
         arena_dir = _arena_dir(self.socket_path, capacity)
@@ -123,8 +126,11 @@ class PoolServer:
         except protocol.ProtocolError as exc:
             self.rejected += 1
             return protocol.pack({"ok": False, "epoch": self.epoch, "error": str(exc)})
-        reply = self._dispatch(msg["op"], msg.get("keys", []), msg)
-        reply.update(ok=True, epoch=self.epoch)
+        keys = msg.get("keys", [])
+        self.key_queries[msg["op"]] = self.key_queries.get(msg["op"], 0) + len(keys)
+        self.repeated_keys += len(keys) - len(set(keys))
+        reply = self._dispatch(msg["op"], keys, msg)
+        reply.update(ok=True, epoch=self.epoch, evictions=self.index.counters["evictions"])
         return protocol.pack(reply)
 
     def _dispatch(self, op: str, keys: list[str], msg: dict) -> dict:
@@ -152,6 +158,7 @@ class PoolServer:
             return {"status": [int(s) for s in ix.remove(keys)]}
         if op == "stats":
             return {"stats": {**ix.stats(), "requests": self.requests, "rejected": self.rejected,
+                              "key_queries": self.key_queries, "repeated_keys": self.repeated_keys,
                               "pid": os.getpid(), "epoch": self.epoch}}
         if op == "list":
             return {"entries": ix.list(msg.get("prefix", ""))[:10000]}
