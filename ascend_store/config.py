@@ -143,11 +143,14 @@ class StoreConfig:
     # How long the forward waits for one layer's load before treating it as failed.
     load_timeout_s: float = 30.0
     verify_checksum: bool = True
+    # Finish a step's saves at the start of the next step (vLLM's handle_preemptions,
+    # before any block of that step is written) instead of at the end of this one.
+    defer_save_drain: bool = True
     local: LocalPoolConfig = field(default_factory=LocalPoolConfig)
     lookup_cache: LookupCacheConfig = field(default_factory=LookupCacheConfig)
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
-            "verify_checksum", "local", "lookup_cache")
+            "verify_checksum", "defer_save_drain", "local", "lookup_cache")
 
     @classmethod
     def parse(cls, raw: Any) -> "StoreConfig":
@@ -163,6 +166,7 @@ class StoreConfig:
             timeout_s=r.positive("timeout_s", 5.0),
             load_timeout_s=r.positive("load_timeout_s", 30.0),
             verify_checksum=r.take("verify_checksum", True, bool),
+            defer_save_drain=r.take("defer_save_drain", True, bool),
             local=LocalPoolConfig.parse(r.raw.pop("local", None)),
             lookup_cache=LookupCacheConfig.parse(r.raw.pop("lookup_cache", None)),
         )

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ascend_store.config import check_transfer_config
+from ascend_store.stats import AscendStorePromMetrics, AscendStoreStats
 
 
 class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -62,6 +63,9 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches):
         self.worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        self.worker.handle_preemptions()
+
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self.worker.start_load_kv(self._get_connector_metadata())
 
@@ -79,6 +83,18 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self):
         return self.worker.build_connector_worker_meta()
+
+    # -- stats (both sides) ----------------------------------------------------
+    def get_kv_connector_stats(self):
+        return (self.scheduler or self.worker).stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return AscendStoreStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return AscendStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         half = self.scheduler or self.worker

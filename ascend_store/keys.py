@@ -23,7 +23,7 @@ import numpy as np
 
 FORMAT_VERSION = 1
 _SEED = b"ascend-store/v1"
-KEY_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,256}$")
+KEY_RE = re.compile(r"[A-Za-z0-9._:/-]{1,256}")  # used with fullmatch
 _LAYER_NUM = re.compile(r"\.(\d+)\.")
 
 
@@ -48,8 +48,9 @@ class ModelIdentity:
 
 
 def normalize_model_name(model: str) -> str:
-    """A local path and the same path with a trailing slash are one model."""
-    if os.sep in model or model.startswith("."):
+    """A local directory is named by its absolute path (a trailing slash or a relative
+    spelling does not matter); a hub id such as ``org/name`` stays as it is."""
+    if model.startswith((os.sep, ".")) or os.path.isdir(model):
         return os.path.normpath(os.path.abspath(model))
     return model.rstrip("/")
 

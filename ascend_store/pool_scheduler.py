@@ -13,6 +13,7 @@ blocks at once.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from ascend_store.backends import BackendUnavailable, create_backend
@@ -21,6 +22,7 @@ from ascend_store.hit_cache import BlockHitCache
 from ascend_store.keys import KeySpace, chunk_hashes, identity_from_vllm
 from ascend_store.layers import layer_ids
 from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
+from ascend_store.stats import AscendStoreStats, IntervalCounters
 
 log = logging.getLogger("ascend_store")
 
@@ -50,8 +52,7 @@ class PoolScheduler:
         lc = cfg.lookup_cache
         self.hit_cache = BlockHitCache(lc.ttl_s, lc.max_entries) if lc.enabled and self.can_load else None
         self._reqs: dict[str, _Request] = {}
-        self.counters = {"lookups": 0, "lookup_rpcs": 0, "lookup_errors": 0, "hit_tokens": 0,
-                         "queried_tokens": 0}
+        self.counters = IntervalCounters()
 
     # -- lookup ---------------------------------------------------------------
     def _pool_hit_chunks(self, hashes: list[str], start: int) -> int:
@@ -97,7 +98,9 @@ class PoolScheduler:
         state.pending_load = []
         if not self.can_load:
             return 0, False
+        t0 = time.perf_counter()
         hit = self._pool_hit_chunks(state.hashes, start)
+        self.counters["lookup_seconds"] += time.perf_counter() - t0
         state.saved_chunks = max(state.saved_chunks, hit)
         # vLLM must compute at least the last prompt token itself.
         hit_tokens = min(hit * self.chunk, len(prompt) - 1)
@@ -170,6 +173,12 @@ class PoolScheduler:
     def request_finished(self, request) -> tuple[bool, None]:
         self._reqs.pop(request.request_id, None)
         return False, None
+
+    def stats(self) -> AscendStoreStats:
+        if self.hit_cache is not None:
+            for k, v in self.hit_cache.counters.items():
+                self.counters[k] = v
+        return AscendStoreStats(self.counters.take())
 
     def shutdown(self) -> None:
         if self.backend is not None:

@@ -10,13 +10,20 @@ Loads and saves run on two background threads, one job per step each:
   ``wait_for_save``.
 With ``use_layerwise: false`` the same jobs run whole: the load before the forward, the
 save after it. No failure in a transfer ever propagates into the forward.
+
+``defer_save_drain``: the wait for the last layers' copies and the commit move from the
+end of the step to ``handle_preemptions`` of the next one, which vLLM calls first in
+``execute_model``, before it zeroes, loads into or computes into any block. So a block
+freed after this step cannot be rewritten while its save still reads it, and the tail
+of the save overlaps the scheduler's work for the next step.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, deque
+import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -26,6 +33,7 @@ from ascend_store.config import StoreConfig
 from ascend_store.keys import KeySpace, identity_from_vllm
 from ascend_store.layers import layer_ids
 from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
+from ascend_store.stats import AscendStoreStats, IntervalCounters
 from ascend_store.transfer import CorruptObject, LayerLayout, object_bytes, read_object, write_object
 
 log = logging.getLogger("ascend_store")
@@ -38,6 +46,15 @@ def _tp_rank() -> int:
         return get_tensor_model_parallel_rank()
     except (AssertionError, ImportError):  # no TP group (single process tools, tests)
         return 0
+
+
+def _has_preemption_hook() -> bool:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    if hasattr(KVConnectorBase_V1, "handle_preemptions"):
+        return True
+    log.warning("this vLLM has no handle_preemptions hook: saves drain inside each step")
+    return False
 
 
 class _LoadJob:
@@ -55,6 +72,7 @@ class _SaveJob:
         self.slots: dict[tuple[str, int], tuple[str, int, int]] = {}  # (layer, j) -> key, off, size
         self.failed: set[str] = set()
         self.futures: list[Future] = []
+        self.cancelled = False
 
 
 class PoolWorker:
@@ -73,8 +91,11 @@ class PoolWorker:
         self._save_thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-save")
         self._load: _LoadJob | None = None
         self._save: _SaveJob | None = None
+        self._draining: _SaveJob | None = None  # a finished step's save, when deferred
+        self.defer_drain = cfg.defer_save_drain and _has_preemption_hook()
         self._arena: tuple[str, torch.Tensor] | None = None
-        self.counters: Counter[str] = Counter()
+        self.counters = IntervalCounters()
+        self._pool_stats_at = 0.0
         self.step_hooks: deque[tuple[int, int]] = deque(maxlen=4096)  # (waits, saves) per step
         self._waits = self._saves = 0
         self._failed_chunks: set[str] = set()
@@ -102,7 +123,11 @@ class PoolWorker:
         return self._arena[1]
 
     # -- loads ----------------------------------------------------------------
+    def handle_preemptions(self) -> None:
+        self._drain_saves()
+
     def start_load_kv(self, meta: StepMetadata) -> None:
+        self._drain_saves()
         self.counters["steps"] += 1
         if not meta.loads:
             return
@@ -113,6 +138,7 @@ class PoolWorker:
 
     def _run_load(self, job: _LoadJob) -> None:
         leased: list[str] = []
+        t0 = time.perf_counter()
         try:
             arena = self._arena_tensor()
             plan = [(name, j, self._key(name, ld.group, ld.chunk_hash))
@@ -156,6 +182,7 @@ class PoolWorker:
         finally:
             for ev in job.events.values():
                 ev.set()
+            self.counters["load_seconds"] += time.perf_counter() - t0
             if leased:
                 try:
                     self.backend.release(leased)
@@ -235,11 +262,12 @@ class PoolWorker:
             self.counters["save_errors"] += 1
 
     def _run_save_layer(self, job: _SaveJob, name: str) -> None:
+        t0 = time.perf_counter()
         arena = self._arena_tensor()
         layout = self.layouts[name]
         for j, sv in enumerate(job.saves):
             target = job.slots.get((name, j))
-            if target is None:
+            if target is None or job.cancelled:
                 continue
             key, off, size = target
             try:
@@ -247,8 +275,10 @@ class PoolWorker:
             except Exception:
                 log.exception("KV pool save of %s failed", key)
                 job.failed.add(key)
+        self.counters["save_seconds"] += time.perf_counter() - t0
 
     def wait_for_save(self, meta: StepMetadata | None) -> None:
+        self._drain_saves()
         if self._waits or self._saves:
             self.step_hooks.append((self._waits, self._saves))
         self._waits = self._saves = 0
@@ -261,9 +291,29 @@ class PoolWorker:
             return
         if not self.cfg.use_layerwise:
             job.futures += [self._save_thread.submit(self._run_save_layer, job, n) for n in self.order]
+        # The save thread commits right after the copies, so objects become visible even
+        # if the engine goes idle; only the wait for the copies may be deferred.
+        job.futures.append(self._save_thread.submit(self._run_commit, job))
+        if self.defer_drain:
+            self._draining = job
+        else:
+            self._finish_save(job)
+
+    def _drain_saves(self) -> None:
+        job, self._draining = self._draining, None
+        if job is not None:
+            self.counters["deferred_drains"] += 1
+            self._finish_save(job)
+
+    def _finish_save(self, job: _SaveJob) -> None:
         if wait(job.futures, timeout=self.cfg.load_timeout_s).not_done:
+            # Stop the copies before vLLM reuses the blocks; unpublished objects expire.
+            job.cancelled = True
             log.warning("KV pool save did not finish in time; its objects expire unpublished")
             self.counters["save_errors"] += 1
+
+    def _run_commit(self, job: _SaveJob) -> None:
+        if job.cancelled:
             return
         sizes = {key: size for key, _, size in job.slots.values()}
         done = [k for k in sizes if k not in job.failed]
@@ -272,11 +322,26 @@ class PoolWorker:
             for key, status in zip(done, self.backend.commit(done)):
                 if status is Status.OK:
                     self.counters["saved_objects"] += 1
-                    self.counters["saved_bytes"] += sizes.get(key, 0)
+                    self.counters["saved_bytes"] += sizes[key]
         except BackendUnavailable:
             self.counters["save_errors"] += 1
 
+    def stats(self) -> AscendStoreStats:
+        now = time.monotonic()
+        if now - self._pool_stats_at >= 5.0:  # pool occupancy: one call every 5 s at most
+            self._pool_stats_at = now
+            try:
+                s = self.backend.stats()
+                self.counters["pool_used_bytes"] = s["used_bytes"]
+                self.counters["pool_capacity_bytes"] = s["capacity"]
+                self.counters["pool_evictions"] = s["evictions"]
+            except BackendUnavailable:
+                pass
+        self.counters["rpcs"] = self.backend.rpcs
+        return AscendStoreStats(self.counters.take())
+
     def shutdown(self) -> None:
+        self._drain_saves()
         self._load_thread.shutdown(wait=True, cancel_futures=True)
         self._save_thread.shutdown(wait=True, cancel_futures=True)
         self._arena = None

@@ -45,9 +45,14 @@ class LayerLayout:
         if not dims:
             raise ValueError(f"no dimension of size num_blocks={num_blocks} in a KV cache "
                              f"of shape {tuple(tensor.shape)}")
-        # With several candidates the block dimension is the outermost one.
-        block_dim = max(dims, key=lambda d: tensor.stride(d))
-        return cls(tensor, block_dim)
+        if len(dims) > 1 and num_blocks == 2:
+            # [2, 2, ...] is K/V-major or block-major alike; a wrong guess would move K or
+            # V planes instead of blocks, so refuse.
+            raise ValueError(f"cannot tell the block dimension of a KV cache of shape "
+                             f"{tuple(tensor.shape)} with num_blocks=2")
+        # Blocks are the outermost dimension of that size (heads or the block size may
+        # equal num_blocks in small caches).
+        return cls(tensor, max(dims, key=tensor.stride))
 
     @property
     def page_shape(self) -> tuple[int, ...]:
@@ -108,7 +113,9 @@ def read_object(obj: torch.Tensor, layout: LayerLayout, block_ids: list[int], sk
     payload = obj[HEADER_BYTES:]
     if n != payload.numel():
         raise CorruptObject(f"{key}: payload length {n} != {payload.numel()}")
-    if checksum and flags & 1 and zlib.crc32(payload.numpy()) != crc:
+    if checksum and not flags & 1:
+        raise CorruptObject(f"{key}: written without a checksum")
+    if checksum and zlib.crc32(payload.numpy()) != crc:
         raise CorruptObject(f"{key}: checksum mismatch")
     pages = _pages(layout, payload, blocks_per_chunk)
     for i, b in enumerate(block_ids):

@@ -65,11 +65,11 @@ def main(job_path: str) -> None:
     scheduler, worker = _connectors(llm)
     result = {"rounds": rounds}
     if worker is not None:
-        result["worker"] = dict(worker.counters)
+        result["worker"] = dict(worker.counters.total)
         result["step_hooks"] = list(worker.step_hooks)
         result["layers"] = len(worker.order)
     if scheduler is not None:
-        result["scheduler"] = dict(scheduler.counters)
+        result["scheduler"] = dict(scheduler.counters.total)
     print("RESULT " + json.dumps(result), flush=True)
 
 

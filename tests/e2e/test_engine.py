@@ -43,7 +43,7 @@ def test_repeat_prompt_within_one_engine_embedded_pool(tmp_path, model, baseline
 
 def test_producer_then_consumer(tmp_path, model, baseline, pool):
     prod = run_engine(tmp_path, model, [prompts()], kv_config(pool.socket, "kv_producer"))
-    assert prod["scheduler"]["lookups"] == 0 and prod["worker"]["saved_objects"] > 0
+    assert prod["scheduler"].get("lookups", 0) == 0 and prod["worker"]["saved_objects"] > 0
     cons = run_engine(tmp_path, model, [prompts()], kv_config(pool.socket, "kv_consumer"))
     assert [o["num_cached_tokens"] for o in cons["rounds"][0]] == [96, 128, 159]
     assert cons["worker"].get("saved_objects", 0) == 0

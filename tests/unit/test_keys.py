@@ -129,11 +129,6 @@ def test_normalize_model_name_relative_path_is_absolute(tmp_path, monkeypatch):
     assert normalize_model_name("./model/") == str(tmp_path / "model")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keys.normalize_model_name treats every name containing os.sep as a local path, so a "
-    "Hugging Face repo id such as 'org/model' becomes os.path.abspath('org/model'), which "
-    "depends on the working directory: two engines started from different directories get "
-    "different namespaces for the same model and never share KV"))
 def test_normalize_model_name_hf_repo_id_independent_of_cwd(tmp_path, monkeypatch):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -157,7 +152,7 @@ def test_keyspace_key_format_and_validity():
     ns = _identity().namespace()
     key = KeySpace(ns, tp_rank=1, tp_size=2).key(0, 7, GOLDEN_0_64_32[0])
     assert key == f"{ns}/g0/tp1of2/L7/{GOLDEN_0_64_32[0]}"
-    assert KEY_RE.match(key)
+    assert KEY_RE.fullmatch(key)
     assert KeySpace(ns, 0, 2).key(0, 7, GOLDEN_0_64_32[0]) != key
 
 

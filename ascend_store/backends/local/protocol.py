@@ -37,7 +37,7 @@ def unpack_request(data: bytes) -> dict:
     if not isinstance(msg, dict) or msg.get("op") not in OPS:
         raise ProtocolError("expected a map with a known 'op'")
     keys = msg.get("keys", [])
-    if not isinstance(keys, list) or not all(isinstance(k, str) and KEY_RE.match(k) for k in keys):
+    if not isinstance(keys, list) or not all(isinstance(k, str) and KEY_RE.fullmatch(k) for k in keys):
         raise ProtocolError("keys must be a list of strings matching " + KEY_RE.pattern)
     sizes = msg.get("sizes", [])
     if not isinstance(sizes, list) or not all(

@@ -1,0 +1,117 @@
+"""Connector stats for vLLM's logging and Prometheus paths.
+
+Workers and the scheduler each report the change of their counters since the last
+report (``IntervalCounters``); vLLM sums the reports (``AscendStoreStats.aggregate``) and
+hands the payload to the log line and to ``AscendStorePromMetrics``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+# Summed across reports and exported as Prometheus counters (name -> help text).
+COUNTERS = {
+    "lookups": "prefix lookups",
+    "lookup_rpcs": "lookups that called the pool",
+    "lookup_errors": "lookups that failed (pool unavailable)",
+    "hit_tokens": "prompt tokens found in the pool beyond the device cache",
+    "queried_tokens": "prompt tokens looked up",
+    "cache_hits": "lookup-cache answers used",
+    "cache_misses": "lookup-cache answers missing or expired",
+    "invalidations": "lookup-cache entries invalidated",
+    "loaded_objects": "objects loaded",
+    "loaded_bytes": "bytes loaded",
+    "saved_objects": "objects saved",
+    "saved_bytes": "bytes saved",
+    "load_missing": "objects missing at load",
+    "load_corrupt": "objects rejected by header or checksum",
+    "load_errors": "load jobs that failed",
+    "load_timeouts": "loads abandoned at load_timeout_s",
+    "failed_blocks": "blocks reported to vLLM for recompute",
+    "save_errors": "save jobs that failed",
+    "rpcs": "calls to the pool from workers",
+    "steps": "worker steps",
+}
+# Kept as the latest (largest) value instead of summed.
+GAUGES = {"max_rpcs_per_step": "most pool calls in one worker step",
+          "pool_used_bytes": "pool bytes in use", "pool_capacity_bytes": "pool capacity",
+          "pool_evictions": "objects the pool evicted since it started"}
+SECONDS = {"load_seconds": "time in load jobs", "save_seconds": "time in save copies",
+           "lookup_seconds": "time in lookups"}
+
+
+class IntervalCounters:
+    """Cumulative counters plus the delta since the last ``take``."""
+
+    def __init__(self):
+        self.total: Counter[str] = Counter()
+        self._reported: Counter[str] = Counter()
+
+    def __getitem__(self, key: str):
+        return self.total[key]
+
+    def __setitem__(self, key: str, value) -> None:
+        self.total[key] = value
+
+    def take(self) -> dict[str, float]:
+        out = {k: v - self._reported[k] for k, v in self.total.items() if k not in GAUGES}
+        out.update({k: v for k, v in self.total.items() if k in GAUGES})
+        self._reported = Counter(self.total)
+        return {k: v for k, v in out.items() if v}
+
+
+@dataclass
+class AscendStoreStats(KVConnectorStats):
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> AscendStoreStats:
+        for k, v in other.data.items():
+            self.data[k] = max(self.data.get(k, 0), v) if k in GAUGES else self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = dict(self.data)
+        for kind in ("load", "save"):
+            secs = d.get(f"{kind}_seconds", 0)
+            if secs:
+                d[f"{kind}_gbps"] = round(d.get(f"{kind}ed_bytes", 0) / secs / 1e9, 3)
+        return d
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class AscendStorePromMetrics(KVConnectorPromMetrics):
+    """``vllm:ascend_store_*`` metrics, one child per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._metrics: dict[str, dict[int, Any]] = {}
+        for kinds, cls, suffix in ((COUNTERS, self._counter_cls, "_total"),
+                                   (SECONDS, self._counter_cls, "_total"),
+                                   (GAUGES, self._gauge_cls, "")):
+            for name, doc in kinds.items():
+                metric = cls(name=f"vllm:ascend_store_{name}{suffix}", documentation=doc,
+                             labelnames=labelnames)
+                self._metrics[name] = {idx: metric.labels(*values)
+                                       for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            child = self._metrics.get(name, {}).get(engine_idx)
+            if child is None:
+                continue
+            if name in GAUGES:
+                child.set(value)
+            elif value > 0:
+                child.inc(value)

@@ -1,0 +1,107 @@
+"""Scheduler lookup cost with the block-hit cache on and off, in one run.
+
+A real local pool holds the KV objects (tiny payloads: lookups never touch bytes) of a
+shared-prefix workload; each simulated step brings N new requests with the same prefix,
+as under prefix-sharing load, and runs vLLM's lookup hook for each one.
+
+    python benchmarks/lookup.py [--requests 40] [--tokens 8192] [--shared 0.9] [--layers 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+
+from ascend_store.backends.local.client import LocalBackend
+from ascend_store.backends.local.launcher import ping
+from ascend_store.config import LocalPoolConfig, LookupCacheConfig, StoreConfig
+from ascend_store.keys import chunk_hashes
+from ascend_store.pool_scheduler import PoolScheduler
+
+BLOCK = 128
+
+
+def fake_vllm(layers: int):
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model="bench-model", revision=None, dtype="bfloat16"),
+        cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        device_config=SimpleNamespace(device_type="cpu"))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    return vllm_config, SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=names)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--shared", type=float, default=0.9)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+
+    rng = random.Random(0)
+    shared = [rng.randrange(50_000) for _ in range(int(args.tokens * args.shared))]
+    def prompt():
+        return shared + [rng.randrange(50_000) for _ in range(args.tokens - len(shared))]
+    steps = [[prompt() for _ in range(args.requests)] for _ in range(args.steps)]
+
+    socket = tempfile.mkdtemp(prefix="ascend-store-lookup-") + "/pool.sock"
+    server = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket",
+                               socket, "--capacity", "4GiB"], stderr=subprocess.DEVNULL)
+    try:
+        while not ping(socket):
+            time.sleep(0.05)
+        vllm_config, kv_cache_config = fake_vllm(args.layers)
+        base = StoreConfig(local=LocalPoolConfig(socket=socket, start="never"))
+        # Publish every chunk of every prompt so each lookup is a full hit.
+        pub = PoolScheduler(vllm_config, kv_cache_config, base, "kv_both")
+        client = LocalBackend(LocalPoolConfig(socket=socket, start="never"), map_arena=False)
+        keys = sorted({ks.key(g, layer, h) for prompts in steps for p in prompts
+                       for h in chunk_hashes(p, BLOCK) for ks in pub.keyspaces for g, layer in pub.layers})
+        for i in range(0, len(keys), 20_000):
+            batch = keys[i:i + 20_000]
+            client.reserve(batch, [64] * len(batch))
+            client.commit(batch)
+        pub.shutdown()
+
+        print(f"{args.requests} requests/step x {args.tokens} tokens, {args.shared:.0%} shared, "
+              f"{args.layers} layers, block {BLOCK}, {args.steps} steps, {len(keys)} keys in the pool")
+        print(f"{'lookup cache':<14}{'ms/step':>10}{'us/1K tok':>11}{'RPCs/step':>11}"
+              f"{'keys asked/step':>17}{'hit tokens ok':>15}")
+        rows = {}
+        for enabled in (False, True):
+            cfg = replace(base, lookup_cache=LookupCacheConfig(enabled=enabled))
+            sched = PoolScheduler(vllm_config, kv_cache_config, cfg, "kv_both")
+            before = client.stats()["key_queries"].get("exists", 0)
+            rpcs0 = sched.backend.rpcs
+            t0 = time.perf_counter()
+            ok = True
+            for s, prompts in enumerate(steps):
+                for r, p in enumerate(prompts):
+                    req = SimpleNamespace(request_id=f"{enabled}-{s}-{r}", prompt_token_ids=p)
+                    hit, _ = sched.get_num_new_matched_tokens(req, 0)
+                    ok &= hit == (len(p) // BLOCK) * BLOCK - (len(p) % BLOCK == 0)
+                    sched.request_finished(req)
+            dt = time.perf_counter() - t0
+            asked = client.stats()["key_queries"].get("exists", 0) - before
+            n = args.steps
+            rows[enabled] = dt / n
+            print(f"{'on' if enabled else 'off':<14}{dt / n * 1e3:>10.2f}"
+                  f"{dt / (n * args.requests * args.tokens / 1000) * 1e6:>11.1f}"
+                  f"{(sched.backend.rpcs - rpcs0) / n:>11.1f}{asked / n:>17.0f}{str(ok):>15}")
+            sched.shutdown()
+        print(f"cache on / off time per step: {rows[True] / rows[False]:.3f}")
+        client.close()
+    finally:
+        server.terminate()
+
+
+if __name__ == "__main__":
+    main()
