@@ -1,4 +1,4 @@
-"""``ascend-store`` command line: run and inspect a standalone local pool."""
+"""``ascend-store`` command line: run and inspect a standalone local pool; benchmark a server."""
 
 from __future__ import annotations
 
@@ -29,8 +29,26 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--socket", default=default_socket_path())
         if name == "inspect":
             sp.add_argument("--prefix", default="")
+    bench = sub.add_parser("bench", help="shared-prefix TTFT benchmark against a vLLM OpenAI server")
+    bench.add_argument("--url", default="http://127.0.0.1:8000")
+    bench.add_argument("--docs", type=int, default=4)
+    bench.add_argument("--questions", type=int, default=3)
+    bench.add_argument("--doc-tokens", type=int, default=1024)
+    bench.add_argument("--vocab", type=int, default=500, help="token ids are drawn below this")
+    bench.add_argument("--plot", default="ttft.png", help="PNG path ('' for none)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    if args.cmd == "bench":
+        from ascend_store import bench as b
+
+        prompts = b.shared_prefix_workload(args.docs, args.questions, args.doc_tokens, vocab=args.vocab)
+        samples = b.run(args.url, prompts)
+        print(b.summary(samples))
+        if args.plot:
+            b.plot(samples, args.plot)
+            print(f"plot written to {args.plot}")
+        return 0
 
     if args.pool_cmd == "serve":
         from ascend_store.backends.local.server import serve as run_server

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -22,18 +21,11 @@ import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, REPO)
+from ascend_store.bench import shared_prefix_workload  # noqa: E402
+
 for k, v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0",
              "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}.items():
     os.environ.setdefault(k, v)
-
-
-def workload(docs: int, questions: int, doc_tokens: int) -> list[list[int]]:
-    rng = random.Random(0)
-    out = []
-    for _ in range(docs):
-        doc = [rng.randrange(2, 500) for _ in range(doc_tokens)]
-        out += [doc + [rng.randrange(2, 500) for _ in range(48)] for _ in range(questions)]
-    return out
 
 
 def serve(model: str, socket: str, prompts: list[list[int]]) -> list[dict]:
@@ -68,7 +60,7 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=1024)
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    prompts = workload(args.docs, args.questions, args.doc_tokens)
+    prompts = shared_prefix_workload(args.docs, args.questions, args.doc_tokens)
     if args.phase:
         model, socket = args.phase.split(",")
         print("ROWS " + json.dumps(serve(model, socket, prompts)), flush=True)

@@ -1,0 +1,41 @@
+"""Every example kv-transfer-config under deploy/ passes the connector's own validation."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from ascend_store.config import check_transfer_config
+
+DEPLOY = os.path.join(os.path.dirname(__file__), "..", "..", "deploy")
+CONFIGS = sorted(glob.glob(os.path.join(DEPLOY, "configs", "*.json")))
+
+
+def _k8s_configs():
+    yaml = pytest.importorskip("yaml")
+    docs = yaml.safe_load_all(open(os.path.join(DEPLOY, "k8s", "vllm-with-pool.yaml")))
+    return [json.loads(d["data"]["kv-transfer.json"]) for d in docs if d.get("kind") == "ConfigMap"]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_example_config_is_valid(path):
+    raw = json.load(open(path))
+    assert raw["kv_connector"] == "AscendStoreConnector"
+    assert raw["kv_connector_module_path"] == "ascend_store.connector"
+    cfg = check_transfer_config(SimpleNamespace(**{k: raw[k] for k in ("kv_role", "kv_connector_extra_config")}))
+    assert cfg.backend == "local"
+    assert raw["kv_role"] in os.path.basename(path)
+
+
+def test_every_role_has_an_example():
+    assert {json.load(open(p))["kv_role"] for p in CONFIGS} == {"kv_both", "kv_producer", "kv_consumer"}
+
+
+def test_k8s_config_is_valid():
+    for raw in _k8s_configs():
+        check_transfer_config(SimpleNamespace(kv_role=raw["kv_role"],
+                                              kv_connector_extra_config=raw["kv_connector_extra_config"]))
