@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BACKENDS = ("local",)
+# Or a backend class of your own: "package.module:ClassName", built as Class(cfg, role).
+_CLASS_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -155,7 +157,10 @@ class StoreConfig:
     @classmethod
     def parse(cls, raw: Any) -> "StoreConfig":
         r = _Reader("", raw)
-        backend = r.choice("backend", "local", BACKENDS)
+        backend = r.take("backend", "local", str)
+        if backend not in BACKENDS and not _CLASS_PATH.match(backend):
+            raise ConfigError(f"backend: got {backend!r}, accepted values: {', '.join(BACKENDS)}, "
+                              "or a class path 'package.module:ClassName'")
         chunk_size = r.take("chunk_size", 0, int)
         if chunk_size < 0:
             raise ConfigError(f"chunk_size: must be >= 0 (0 = one block), got {chunk_size}")

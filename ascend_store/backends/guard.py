@@ -20,7 +20,7 @@ _PASSTHROUGH = ("buffer", "exists", "reserve", "commit", "abort", "lease", "rele
 
 
 class GuardedBackend:
-    def __init__(self, inner: Backend, first_backoff_s: float = 0.5, max_backoff_s: float = 30.0):
+    def __init__(self, inner: Backend, first_backoff_s: float = 0.5, max_backoff_s: float = 5.0):
         self.inner = inner
         self._first, self._max = first_backoff_s, max_backoff_s
         self._backoff = 0.0

@@ -4,6 +4,7 @@
     python tests/e2e/pool_tamper.py swap SOCKET SET:INDEX     # swap layer 0 and 1 objects
     python tests/e2e/pool_tamper.py remove SOCKET SET:INDEX   # delete the prompt's objects
     python tests/e2e/pool_tamper.py kill SOCKET               # SIGKILL the pool
+    python tests/e2e/pool_tamper.py restart SOCKET            # SIGKILL it, start a new one
 SET is a prompt set of tests/e2e/conftest.py (PROMPT_SETS), INDEX a prompt in it.
 """
 
@@ -11,9 +12,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import time
 
 from ascend_store.backends.local.client import LocalBackend
+from ascend_store.backends.local.launcher import ping
 from ascend_store.config import LocalPoolConfig
 from ascend_store.keys import chunk_hashes
 from ascend_store.transfer import HEADER_BYTES
@@ -22,16 +26,26 @@ from tests.e2e.conftest import BLOCK, PROMPT_SETS
 
 def main(op: str, socket: str, prompt: str = "basic:0") -> None:
     client = LocalBackend(LocalPoolConfig(socket=socket, start="never"), timeout_s=2.0)
-    if op == "kill":
-        os.kill(client.stats()["pid"], signal.SIGKILL)
+    if op in ("kill", "restart"):
+        old = client.stats()
+        os.kill(old["pid"], signal.SIGKILL)
+        if op == "restart":  # a new pool on the same socket, living as long as the engine
+            subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", socket,
+                              "--capacity", str(old["capacity"]), "--parent-pid", os.environ["ENGINE_PID"]],
+                             start_new_session=True, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 20
+            while not ((hello := ping(socket)) and hello["epoch"] != old["epoch"]):
+                assert time.monotonic() < deadline, "the new pool did not start"
+                time.sleep(0.05)
         return
     name, index = prompt.split(":")
     hashes = set(chunk_hashes(PROMPT_SETS[name]()[int(index)], BLOCK))
     keys = sorted(k for k, _, ready, _ in client.list() if ready and k.rsplit("/", 1)[1] in hashes)
-    assert keys, "no objects of that prompt in the pool"
-    if op == "remove":
+    if op == "remove":  # idempotent: nothing stored is fine
         print(f"remove: {client.remove(keys)}")
         return
+    assert keys, "no objects of that prompt in the pool"
     _, view = client.buffer()
     slots = dict(zip(keys, client.lease(keys)))
     if op == "flip":

@@ -9,8 +9,10 @@ Job: {"model", "kv_config" | null, "rounds": [[token-id prompts], ...], "max_tok
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -32,7 +34,13 @@ def _connectors(llm):
     return scheduler, worker
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def main(job_path: str) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung test can ask where
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -50,6 +58,9 @@ def main(job_path: str) -> None:
                             ignore_eos=True)
     rounds = []
     between = job.get("between", [])
+    os.environ["ENGINE_PID"] = str(os.getpid())  # for between-round commands
+    scheduler, worker = _connectors(llm)
+    per_round = []
     for i, prompts in enumerate(job["rounds"]):
         if i and job.get("reset_between_rounds"):
             llm.reset_prefix_cache()
@@ -62,14 +73,17 @@ def main(job_path: str) -> None:
             "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
             "num_cached_tokens": o.num_cached_tokens or 0,
         } for o in outs])
-    scheduler, worker = _connectors(llm)
-    result = {"rounds": rounds}
+        per_round.append({"worker": dict(worker.counters.total) if worker else {},
+                          "scheduler": dict(scheduler.counters.total) if scheduler else {},
+                          "rss": _rss_bytes()})
+    result = {"rounds": rounds, "per_round": per_round}
     if worker is not None:
         result["worker"] = dict(worker.counters.total)
         result["step_hooks"] = list(worker.step_hooks)
         result["layers"] = len(worker.order)
     if scheduler is not None:
         result["scheduler"] = dict(scheduler.counters.total)
+        result["scheduler_requests"] = len(scheduler._reqs)
     print("RESULT " + json.dumps(result), flush=True)
 
 

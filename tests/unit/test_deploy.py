@@ -26,7 +26,8 @@ def test_example_config_is_valid(path):
     raw = json.load(open(path))
     assert raw["kv_connector"] == "AscendStoreConnector"
     assert raw["kv_connector_module_path"] == "ascend_store.connector"
-    cfg = check_transfer_config(SimpleNamespace(**{k: raw[k] for k in ("kv_role", "kv_connector_extra_config")}))
+    fields = {k: raw[k] for k in ("kv_role", "kv_connector_extra_config")}
+    cfg = check_transfer_config(SimpleNamespace(**fields))
     assert cfg.backend == "local"
     assert raw["kv_role"] in os.path.basename(path)
 

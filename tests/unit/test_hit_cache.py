@@ -75,3 +75,18 @@ def test_interval_counters_report_deltas_and_stats_aggregate():
     red = a.reduce()
     assert red["loaded_bytes"] == 4e9 and red["max_rpcs_per_step"] == 4 and red["load_gbps"] == 4.0
     assert AscendStoreStats({"x": 0}).is_empty()
+
+
+def test_writer_can_re_reserve_its_own_uncommitted_object():
+    """A writer whose commit was lost must not be locked out of its own key until the
+    reservation expires; another writer still sees the object as being written."""
+    from ascend_store.backends.base import Status
+    from ascend_store.backends.local.index import PoolIndex
+
+    ix = PoolIndex(1 << 20)
+    (st, off), = ix.reserve(["k"], [1000], owner="w1")
+    assert st is Status.OK
+    assert ix.reserve(["k"], [1000], owner="w2") == [(Status.EXISTS, 0)]
+    assert ix.reserve(["k"], [1000], owner="w1") == [(Status.OK, off)]
+    assert ix.commit(["k"]) == [Status.OK]
+    assert ix.reserve(["k"], [1000], owner="w1") == [(Status.EXISTS, 0)]

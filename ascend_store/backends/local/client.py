@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import secrets
 import threading
 import time
 
@@ -37,6 +38,7 @@ class LocalBackend(Backend):
         self._mapped_epoch: str | None = None
         self._view: memoryview | None = None
         self.rpcs = 0
+        self.owner = secrets.token_hex(8)  # lets this client re-reserve what it failed to commit
         self._proc = ensure_pool(cfg) if cfg.start == "auto" else None
 
     # -- transport ------------------------------------------------------------
@@ -117,7 +119,7 @@ class LocalBackend(Backend):
     def reserve(self, keys, sizes):
         if not keys:
             return []
-        r = self._call("reserve", keys=keys, sizes=sizes)
+        r = self._call("reserve", keys=keys, sizes=sizes, owner=self.owner)
         return [self._slot(s, o, n) for s, o, n in zip(r["status"], r["offsets"], sizes)]
 
     def commit(self, keys):

@@ -73,6 +73,7 @@ class _Obj:
     ready: bool = False
     leases: int = 0
     deadline: float = 0.0  # reservation deadline, or when the last lease expires
+    owner: str = ""  # the writer of a reservation
 
 
 class PoolIndex:
@@ -88,11 +89,18 @@ class PoolIndex:
                          "no_space": 0}
 
     # -- writes ---------------------------------------------------------------
-    def reserve(self, keys: list[str], sizes: list[int]) -> list[tuple[Status, int]]:
+    def reserve(self, keys: list[str], sizes: list[int], owner: str = "") -> list[tuple[Status, int]]:
+        """Reserve space to write; a writer may re-reserve its own uncommitted object (its
+        earlier commit was lost), anyone else gets EXISTS for an object being written."""
         now, out = self._clock(), []
         for key, size in zip(keys, sizes):
-            if key in self._objs:
-                out.append((Status.EXISTS, 0))
+            obj = self._objs.get(key)
+            if obj is not None:
+                if owner and obj.owner == owner and not obj.ready and obj.size == size:
+                    obj.deadline = now + self.reserve_ttl_s
+                    out.append((Status.OK, obj.offset))
+                else:
+                    out.append((Status.EXISTS, 0))
                 continue
             need = _aligned(size)
             off = self._alloc(need)
@@ -100,7 +108,7 @@ class PoolIndex:
                 self.counters["no_space"] += 1
                 out.append((Status.NO_SPACE, 0))
                 continue
-            self._objs[key] = _Obj(off, size, need, deadline=now + self.reserve_ttl_s)
+            self._objs[key] = _Obj(off, size, need, deadline=now + self.reserve_ttl_s, owner=owner)
             out.append((Status.OK, off))
         return out
 

@@ -53,7 +53,11 @@ def ensure_pool(cfg) -> subprocess.Popen | None:
         cmd = [sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", cfg.socket,
                "--capacity", str(cfg.capacity), "--lease-ttl", str(cfg.lease_ttl_s),
                "--parent-pid", str(os.getpid())]
-        proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+        # The pool must not hold the engine's stdout/stderr open (a supervisor reading them
+        # would wait for the pool): it logs beside its socket instead.
+        with open(cfg.socket + ".log", "ab") as log_file:
+            proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=log_file)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if ping(cfg.socket):

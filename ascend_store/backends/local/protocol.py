@@ -45,6 +45,8 @@ def unpack_request(data: bytes) -> dict:
         raise ProtocolError("sizes must be a list of positive integers")
     if msg["op"] == "reserve" and len(sizes) != len(keys):
         raise ProtocolError("reserve needs one size per key")
+    if not isinstance(msg.get("owner", ""), str) or len(msg.get("owner", "")) > 64:
+        raise ProtocolError("owner must be a short string")
     prefix = msg.get("prefix", "")
     if not isinstance(prefix, str) or len(prefix) > 256:
         raise ProtocolError("prefix must be a short string")

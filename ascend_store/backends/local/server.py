@@ -140,7 +140,7 @@ class PoolServer:
         if op == "exists":
             return {"found": ix.exists(keys)}
         if op == "reserve":
-            res = ix.reserve(keys, msg["sizes"])
+            res = ix.reserve(keys, msg["sizes"], owner=msg.get("owner", ""))
             return {"status": [int(s) for s, _ in res], "offsets": [o for _, o in res]}
         if op == "commit":
             return {"status": [int(s) for s in ix.commit(keys)]}
@@ -159,20 +159,24 @@ class PoolServer:
         if op == "stats":
             return {"stats": {**ix.stats(), "requests": self.requests, "rejected": self.rejected,
                               "key_queries": self.key_queries, "repeated_keys": self.repeated_keys,
-                              "pid": os.getpid(), "epoch": self.epoch}}
+                              "rss_bytes": _rss_bytes(), "pid": os.getpid(), "epoch": self.epoch}}
         if op == "list":
             return {"entries": ix.list(msg.get("prefix", ""))[:10000]}
         raise AssertionError(op)  # protocol.unpack_request admits only OPS
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    except PermissionError:
-        return True
-    return True
 
 
 def serve(socket_path: str, capacity: int, lease_ttl_s: float = 30.0,

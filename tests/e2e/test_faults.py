@@ -1,0 +1,90 @@
+"""Issue 10: every fault costs time, never tokens, and never the engine.
+
+One engine serves the same prompts round after round; between rounds the injected
+fault changes (tests/e2e/faulty_backend.py) or the real pool is stopped, killed and
+restarted. Each round's greedy tokens must equal the first round's (which computed
+everything), and the counters must show that the fault really fired.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests.e2e.conftest import REPO, assert_same_outputs, kv_config, prompts, run_engine
+
+pytestmark = pytest.mark.e2e
+TAMPER = f"{sys.executable} {os.path.join(REPO, 'tests', 'e2e', 'pool_tamper.py')}"
+# (fault, counter that must grow in that round, pool hits seen by vLLM: None when the
+# lookup hit but the load then failed, which vLLM still reports as cached tokens)
+FAULTS = [
+    ({"role": "worker", "op": "lease", "kind": "error"}, ("worker", "load_errors"), None),
+    ({"role": "worker", "op": "lease", "kind": "latency", "seconds": 0.3}, ("worker", "loaded_objects"), True),
+    ({"role": "worker", "op": "lease", "kind": "partial"}, ("worker", "load_missing"), None),
+    ({"role": "worker", "op": "lease", "kind": "misplace"}, ("worker", "load_corrupt"), None),
+    ({"role": "worker", "op": "lease", "kind": "short"}, ("worker", "load_corrupt"), None),
+    ({"role": "worker", "op": "lease", "kind": "hang"}, ("worker", "load_errors"), None),
+    ({"role": "scheduler", "op": "exists", "kind": "error"}, ("scheduler", "lookup_errors"), False),
+    ({"role": "scheduler", "op": "exists", "kind": "hang"}, ("scheduler", "lookup_errors"), False),
+    ({"role": "scheduler", "op": "exists", "kind": "partial"}, ("scheduler", "lookup_rpcs"), False),
+    ({"role": "worker", "op": "reserve", "kind": "error"}, ("worker", "save_errors"), False),
+    ({"role": "worker", "op": "commit", "kind": "drop", "after": 0}, ("worker", "save_errors"), False),
+]
+
+
+def test_fault_matrix_recomputes_with_correct_tokens(tmp_path, model, pool):
+    fault_file = tmp_path / "fault.json"
+    os.environ["ASCEND_STORE_TEST_FAULT"] = str(fault_file)  # inherited by the engine
+    try:
+        between = []
+        for fault, _, _ in FAULTS:
+            # Save faults need something to save: empty the pool first.
+            clear = "".join(f"{TAMPER} remove {pool.socket} basic:{i} && "
+                            for i in range(3)) if fault["op"] in ("reserve", "commit") else ""
+            between.append(f"{clear}echo '{json.dumps(fault)}' > {fault_file} && sleep 1")
+        # Clean: once the breaker's backoff (at most 5 s) has passed, save again, then hit.
+        between += [f"rm -f {fault_file} && sleep 6", None]
+        kv = kv_config(pool.socket, backend="tests.e2e.faulty_backend:FaultyBackend", timeout_s=1.0,
+                       lookup_cache={"enabled": False}, local={"start": "never"})
+        rounds = [prompts()] * (len(FAULTS) + 3)
+        r = run_engine(tmp_path, model, rounds, kv, between=between)
+    finally:
+        os.environ.pop("ASCEND_STORE_TEST_FAULT")
+    first = r["rounds"][0]
+    assert all(o["num_cached_tokens"] == 0 for o in first)
+    for i, (fault, (side, counter), hits) in enumerate(FAULTS, start=1):
+        before, after = r["per_round"][i - 1][side], r["per_round"][i][side]
+        assert after.get(counter, 0) > before.get(counter, 0), (fault, counter)
+        assert_same_outputs(r["rounds"][i], first)
+        if hits is None:
+            assert after["failed_blocks"] > before.get("failed_blocks", 0), fault
+        else:
+            assert any(o["num_cached_tokens"] for o in r["rounds"][i]) == hits, fault
+    assert [o["num_cached_tokens"] for o in r["rounds"][-1]] == [96, 128, 159]
+    assert_same_outputs(r["rounds"][-1], first)
+
+
+def test_pool_stopped_killed_and_restarted_engine_reconnects(tmp_path, model, pool):
+    stop = f"kill -STOP $({sys.executable} -m ascend_store.cli pool status --socket {pool.socket} " \
+           f"| {sys.executable} -c 'import json,sys; print(json.load(sys.stdin)[\"pid\"])')"
+    pid_of = f"$(cat {tmp_path}/pid)"
+    between = [
+        f"{sys.executable} -m ascend_store.cli pool status --socket {pool.socket} | "
+        f"{sys.executable} -c 'import json,sys; print(json.load(sys.stdin)[\"pid\"])' > {tmp_path}/pid"
+        f" && kill -STOP {pid_of}",                      # round 1: the pool hangs
+        f"kill -CONT {pid_of} && {TAMPER} restart {pool.socket} && sleep 1",  # round 2: new, empty pool
+        None,                                           # round 3: hits from the new pool
+    ]
+    del stop
+    kv = kv_config(pool.socket, timeout_s=1.0, local={"start": "never"})
+    r = run_engine(tmp_path, model, [prompts()] * 4, kv, between=between)
+    first = r["rounds"][0]
+    for out in r["rounds"][1:]:
+        assert_same_outputs(out, first)
+    assert all(o["num_cached_tokens"] == 0 for o in r["rounds"][1])  # hung pool: recompute
+    assert all(o["num_cached_tokens"] == 0 for o in r["rounds"][2])  # restarted pool is empty
+    assert [o["num_cached_tokens"] for o in r["rounds"][3]] == [96, 128, 159]
+    assert r["per_round"][1]["scheduler"]["lookup_errors"] > 0
