@@ -22,7 +22,8 @@ TAMPER = f"{sys.executable} {os.path.join(REPO, 'tests', 'e2e', 'pool_tamper.py'
 # lookup hit but the load then failed, which vLLM still reports as cached tokens)
 FAULTS = [
     ({"role": "worker", "op": "lease", "kind": "error"}, ("worker", "load_errors"), None),
-    ({"role": "worker", "op": "lease", "kind": "latency", "seconds": 0.3}, ("worker", "loaded_objects"), True),
+    ({"role": "worker", "op": "lease", "kind": "latency", "seconds": 0.3},
+     ("worker", "loaded_objects"), True),
     ({"role": "worker", "op": "lease", "kind": "partial"}, ("worker", "load_missing"), None),
     ({"role": "worker", "op": "lease", "kind": "misplace"}, ("worker", "load_corrupt"), None),
     ({"role": "worker", "op": "lease", "kind": "short"}, ("worker", "load_corrupt"), None),
@@ -68,8 +69,6 @@ def test_fault_matrix_recomputes_with_correct_tokens(tmp_path, model, pool):
 
 
 def test_pool_stopped_killed_and_restarted_engine_reconnects(tmp_path, model, pool):
-    stop = f"kill -STOP $({sys.executable} -m ascend_store.cli pool status --socket {pool.socket} " \
-           f"| {sys.executable} -c 'import json,sys; print(json.load(sys.stdin)[\"pid\"])')"
     pid_of = f"$(cat {tmp_path}/pid)"
     between = [
         f"{sys.executable} -m ascend_store.cli pool status --socket {pool.socket} | "
@@ -78,7 +77,6 @@ def test_pool_stopped_killed_and_restarted_engine_reconnects(tmp_path, model, po
         f"kill -CONT {pid_of} && {TAMPER} restart {pool.socket} && sleep 1",  # round 2: new, empty pool
         None,                                           # round 3: hits from the new pool
     ]
-    del stop
     kv = kv_config(pool.socket, timeout_s=1.0, local={"start": "never"})
     r = run_engine(tmp_path, model, [prompts()] * 4, kv, between=between)
     first = r["rounds"][0]
