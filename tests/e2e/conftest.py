@@ -108,6 +108,14 @@ def pool(tmp_path):
     p.stop()
 
 
+@pytest.fixture
+def pool_small(tmp_path):
+    """A pool of 4 MiB: about 60 chunks of the tiny model, so it evicts constantly."""
+    p = Pool(str(tmp_path / "pool" / "pool.sock"), capacity="4MiB").start()
+    yield p
+    p.stop()
+
+
 def assert_same_outputs(got: list[dict], want: list[dict], tol: float = 1e-4) -> None:
     assert len(got) == len(want)
     for g, w in zip(got, want):
