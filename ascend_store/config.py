@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BACKENDS = ("local",)
+CODECS = ("raw", "int8", "zstd")
 # Or a backend class of your own: "package.module:ClassName", built as Class(cfg, role).
 _CLASS_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -44,6 +45,16 @@ def parse_size(value: Any, key: str) -> int:
 def default_socket_path() -> str:
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return os.path.join(base, f"ascend-store-{os.getuid()}", "pool.sock")
+
+
+def _codec(name: str) -> str:
+    if name == "zstd":
+        try:
+            import zstandard  # noqa: F401
+        except ImportError:
+            raise ConfigError("codec: 'zstd' needs the zstandard package "
+                              "(pip install 'ascend-store[zstd]')") from None
+    return name
 
 
 class _Reader:
@@ -145,6 +156,7 @@ class StoreConfig:
     # How long the forward waits for one layer's load before treating it as failed.
     load_timeout_s: float = 30.0
     verify_checksum: bool = True
+    codec: str = "raw"
     # Finish a step's saves at the start of the next step (vLLM's handle_preemptions,
     # before any block of that step is written) instead of at the end of this one.
     defer_save_drain: bool = True
@@ -152,7 +164,7 @@ class StoreConfig:
     lookup_cache: LookupCacheConfig = field(default_factory=LookupCacheConfig)
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
-            "verify_checksum", "defer_save_drain", "local", "lookup_cache")
+            "verify_checksum", "codec", "defer_save_drain", "local", "lookup_cache")
 
     @classmethod
     def parse(cls, raw: Any) -> "StoreConfig":
@@ -171,6 +183,7 @@ class StoreConfig:
             timeout_s=r.positive("timeout_s", 5.0),
             load_timeout_s=r.positive("load_timeout_s", 30.0),
             verify_checksum=r.take("verify_checksum", True, bool),
+            codec=_codec(r.choice("codec", "raw", CODECS)),
             defer_save_drain=r.take("defer_save_drain", True, bool),
             local=LocalPoolConfig.parse(r.raw.pop("local", None)),
             lookup_cache=LookupCacheConfig.parse(r.raw.pop("lookup_cache", None)),

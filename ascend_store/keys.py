@@ -40,6 +40,10 @@ class ModelIdentity:
     tp_size: int
     device: str
     codec: str = "raw"
+    # Quantized caches: the weight quantization (it carries static KV scales) and whether
+    # scales are computed at run time; both change the bytes of a quantized block.
+    quantization: str = ""
+    kv_scales: str = "static"
     format_version: int = FORMAT_VERSION
 
     def namespace(self) -> str:
@@ -55,7 +59,7 @@ def normalize_model_name(model: str) -> str:
     return model.rstrip("/")
 
 
-def identity_from_vllm(vllm_config, chunk_size: int) -> ModelIdentity:
+def identity_from_vllm(vllm_config, chunk_size: int, codec: str = "raw") -> ModelIdentity:
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     return ModelIdentity(
         model=normalize_model_name(str(mc.model)),
@@ -66,6 +70,9 @@ def identity_from_vllm(vllm_config, chunk_size: int) -> ModelIdentity:
         chunk_size=chunk_size,
         tp_size=int(pc.tensor_parallel_size),
         device=str(vllm_config.device_config.device_type),
+        codec=codec,
+        quantization=str(getattr(mc, "quantization", None) or ""),
+        kv_scales=("dynamic" if getattr(cc, "calculate_kv_scales", False) else "static"),
     )
 
 

@@ -27,8 +27,21 @@ from ascend_store.stats import AscendStoreStats, IntervalCounters
 log = logging.getLogger("ascend_store")
 
 
+def is_compacted(request) -> bool:
+    """The compaction contract (docs/codecs.md): a token-eviction method that drops KV of
+    a request marks it with ``kv_compacted: True`` in the request's ``kv_transfer_params``
+    or in its sampling params' ``extra_args``. Such KV no longer matches its token prefix,
+    so it is never published under prefix keys."""
+    for params in (getattr(request, "kv_transfer_params", None),
+                   getattr(getattr(request, "sampling_params", None), "extra_args", None)):
+        if isinstance(params, dict) and params.get("kv_compacted"):
+            return True
+    return False
+
+
 @dataclass
 class _Request:
+    request: object  # vLLM's Request, for flags that may change while it runs
     hashes: list[str]
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0  # chunks [0, saved_chunks) need no save from this request
@@ -44,7 +57,7 @@ class PoolScheduler:
         self.blocks_per_chunk = self.chunk // self.block_size
         self.can_load = kv_role in ("kv_both", "kv_consumer")
         self.can_save = kv_role in ("kv_both", "kv_producer")
-        identity = identity_from_vllm(vllm_config, self.chunk)
+        identity = identity_from_vllm(vllm_config, self.chunk, cfg.codec)
         tp = identity.tp_size
         self.keyspaces = [KeySpace(identity.namespace(), r, tp) for r in range(tp)]
         self.layers = sorted(set(layer_ids(kv_cache_config).values()))
@@ -91,7 +104,7 @@ class PoolScheduler:
         prompt = request.prompt_token_ids or []
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _Request(chunk_hashes(prompt, self.chunk))
+            state = self._reqs[request.request_id] = _Request(request, chunk_hashes(prompt, self.chunk))
         state.local_tokens = num_computed_tokens
         start = num_computed_tokens // self.chunk
         state.saved_chunks = max(state.saved_chunks, start)
@@ -155,6 +168,9 @@ class PoolScheduler:
     def _plan_saves(self, req_id: str, state: _Request, computed_after_step: int,
                     meta: StepMetadata) -> None:
         if not self.can_save:
+            return
+        if is_compacted(state.request):
+            self.counters["compacted_skips"] += 1
             return
         done = min(len(state.hashes), computed_after_step // self.chunk)
         bpc = self.blocks_per_chunk

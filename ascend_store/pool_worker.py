@@ -29,12 +29,21 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from ascend_store.backends import BackendUnavailable, Status, create_backend
+from ascend_store.codecs import get_codec
 from ascend_store.config import StoreConfig
 from ascend_store.keys import KeySpace, identity_from_vllm
 from ascend_store.layers import layer_ids
 from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
 from ascend_store.stats import AscendStoreStats, IntervalCounters
-from ascend_store.transfer import CorruptObject, LayerLayout, object_bytes, read_object, write_object
+from ascend_store.transfer import (
+    HEADER_BYTES,
+    CorruptObject,
+    LayerLayout,
+    object_bytes,
+    read_object,
+    seal,
+    write_object,
+)
 
 log = logging.getLogger("ascend_store")
 
@@ -69,6 +78,7 @@ class _LoadJob:
 class _SaveJob:
     def __init__(self, saves: list[ChunkSave]):
         self.saves = saves
+        self.plan: list[tuple[str, int, str]] = []  # (layer, save index, key), deduplicated
         self.slots: dict[tuple[str, int], tuple[str, int, int]] = {}  # (layer, j) -> key, off, size
         self.failed: set[str] = set()
         self.futures: list[Future] = []
@@ -80,7 +90,9 @@ class PoolWorker:
         self.cfg = cfg
         self.block_size = vllm_config.cache_config.block_size
         self.blocks_per_chunk = cfg.chunk_tokens(self.block_size) // self.block_size
-        identity = identity_from_vllm(vllm_config, self.blocks_per_chunk * self.block_size)
+        identity = identity_from_vllm(vllm_config, self.blocks_per_chunk * self.block_size, cfg.codec)
+        self.codec = get_codec(cfg.codec)
+        self.kv_specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
         self.keyspace = KeySpace(identity.namespace(), _tp_rank(), identity.tp_size)
         self.layer_ids = layer_ids(kv_cache_config)
         self.num_blocks = kv_cache_config.num_blocks
@@ -106,7 +118,15 @@ class PoolWorker:
         for name, tensor in kv_caches.items():
             if name not in self.layer_ids:
                 raise ValueError(f"KV cache layer {name!r} is not in the KV cache config")
-            self.layouts[name] = LayerLayout.of(tensor, self.num_blocks)
+            spec = self.kv_specs[self.layer_ids[name][0]]
+            dims = tuple(getattr(spec, a, None) for a in ("num_kv_heads", "block_size", "head_size"))
+            layout = LayerLayout.of(tensor, self.num_blocks, dims if None not in dims else None)
+            try:
+                self.codec.check(layout)
+            except ValueError as exc:
+                raise ValueError(f"ascend-store codec {self.codec.name!r} cannot store {name}: "
+                                 f"{exc}") from None
+            self.layouts[name] = layout
         self.order = [n for n in self.layer_ids if n in self.layouts]
         first = self.layouts[self.order[0]]
         log.info("ascend-store: %d layers, page %s (%d bytes), %d blocks per object, keys %s",
@@ -165,7 +185,7 @@ class PoolWorker:
                     try:
                         read_object(arena[slot.offset:slot.offset + slot.size], self.layouts[name],
                                     ld.block_ids, ld.skip, key, self.blocks_per_chunk,
-                                    self.cfg.verify_checksum)
+                                    self.cfg.verify_checksum, self.codec)
                     except CorruptObject as exc:
                         self.counters["load_corrupt"] += 1
                         log.warning("KV pool object rejected, recomputing: %s", exc)
@@ -249,29 +269,50 @@ class PoolWorker:
             first = {}
             for entry in plan:
                 first.setdefault(entry[2], entry)
-            plan = list(first.values())
-            sizes = [object_bytes(self.layouts[n], self.blocks_per_chunk) for n, _, _ in plan]
-            for (name, j, key), slot in zip(plan, self.backend.reserve([k for _, _, k in plan], sizes)):
-                if slot.status is Status.OK:
-                    job.slots[(name, j)] = (key, slot.offset, slot.size)
-                else:
-                    self.counters["save_skipped_" + slot.status.name.lower()] += 1
+            job.plan = list(first.values())
+            if self.codec.fixed_size:  # one reserve for the whole step
+                self._reserve(job, job.plan, [self._object_bytes(n) for n, _, _ in job.plan])
         except Exception as exc:
             if not isinstance(exc, BackendUnavailable):
                 log.exception("KV pool reserve failed; not saving this step")
             self.counters["save_errors"] += 1
 
+    def _object_bytes(self, name: str) -> int:
+        return object_bytes(self.layouts[name], self.blocks_per_chunk, self.codec)
+
+    def _reserve(self, job: _SaveJob, plan: list, sizes: list[int]) -> None:
+        for (name, j, key), slot in zip(plan, self.backend.reserve([k for _, _, k in plan], sizes)):
+            if slot.status is Status.OK:
+                job.slots[(name, j)] = (key, slot.offset, slot.size)
+            else:
+                self.counters["save_skipped_" + slot.status.name.lower()] += 1
+
     def _run_save_layer(self, job: _SaveJob, name: str) -> None:
         t0 = time.perf_counter()
         arena = self._arena_tensor()
         layout = self.layouts[name]
+        encoded = {}
+        if not self.codec.fixed_size and not job.cancelled:
+            # Sizes are known only after encoding: reserve this layer's objects now.
+            mine = [e for e in job.plan if e[0] == name]
+            encoded = {e[2]: self.codec.encode_bytes(layout, job.saves[e[1]].block_ids) for e in mine}
+            try:
+                self._reserve(job, mine, [HEADER_BYTES + len(encoded[k]) for _, _, k in mine])
+            except BackendUnavailable:
+                self.counters["save_errors"] += 1
         for j, sv in enumerate(job.saves):
             target = job.slots.get((name, j))
             if target is None or job.cancelled:
                 continue
             key, off, size = target
+            obj = arena[off:off + size]
             try:
-                write_object(arena[off:off + size], layout, sv.block_ids, key, self.cfg.verify_checksum)
+                if key in encoded:
+                    obj[HEADER_BYTES:].copy_(torch.frombuffer(bytearray(encoded[key]), dtype=torch.uint8))
+                    seal(obj, size - HEADER_BYTES, layout, key, self.codec, self.cfg.verify_checksum)
+                else:
+                    write_object(obj, layout, sv.block_ids, key, self.cfg.verify_checksum, self.codec)
+                self.counters["saved_raw_bytes"] += len(sv.block_ids) * layout.page_bytes
             except Exception:
                 log.exception("KV pool save of %s failed", key)
                 job.failed.add(key)

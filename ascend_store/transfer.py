@@ -2,11 +2,11 @@
 
 A pool object is one layer's KV for one chunk (``blocks_per_chunk`` blocks):
 
-    [32-byte header][block 0 page][block 1 page]...
+    [32-byte header][payload: the chunk's pages, encoded by the codec (codecs.py)]
 
-The header binds the payload to its key and to the cache layout it was cut from, and
-carries a CRC32, so a corrupted payload, a truncated object or an object stored under
-the wrong key is detected before a byte reaches the KV cache.
+The header binds the payload to its key, to the cache layout it was cut from and to the
+codec, and carries a CRC32, so a corrupted payload, a truncated object or an object
+stored under the wrong key is detected before a byte reaches the KV cache.
 
 A block's page is ``cache.select(block_dim, block_id)``: derived from the tensor's own
 shape and strides, so the same code serves vLLM CPU's [blocks, heads, block, 2*dim],
@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 MAGIC = b"ASKV"
-HEADER = struct.Struct("<4sHH8sQII")  # magic, version, flags, fingerprint, payload, crc, pad
+HEADER = struct.Struct("<4sHH8sQIHH")  # magic, version, flags, fingerprint, payload, crc, codec, pad
 HEADER_BYTES = HEADER.size
 HEADER_VERSION = 1
+FLAG_CRC = 1
 
 
 class CorruptObject(ValueError):
@@ -34,13 +35,19 @@ class CorruptObject(ValueError):
 
 @dataclass(frozen=True)
 class LayerLayout:
-    """Where one layer's blocks live in its cache tensor."""
+    """Where one layer's blocks live in its cache tensor.
+
+    ``kv_dims`` = (KV heads, tokens per block, head size) when known, which lets codecs
+    that need the meaning of the axes (int8) view a page as [K/V, token, head, channel].
+    """
 
     tensor: torch.Tensor
     block_dim: int
+    kv_dims: tuple[int, int, int] | None = None
 
     @classmethod
-    def of(cls, tensor: torch.Tensor, num_blocks: int) -> "LayerLayout":
+    def of(cls, tensor: torch.Tensor, num_blocks: int,
+           kv_dims: tuple[int, int, int] | None = None) -> LayerLayout:
         dims = [d for d, n in enumerate(tensor.shape) if n == num_blocks]
         if not dims:
             raise ValueError(f"no dimension of size num_blocks={num_blocks} in a KV cache "
@@ -52,7 +59,7 @@ class LayerLayout:
                              f"{tuple(tensor.shape)} with num_blocks=2")
         # Blocks are the outermost dimension of that size (heads or the block size may
         # equal num_blocks in small caches).
-        return cls(tensor, max(dims, key=tensor.stride))
+        return cls(tensor, max(dims, key=tensor.stride), kv_dims)
 
     @property
     def page_shape(self) -> tuple[int, ...]:
@@ -73,50 +80,66 @@ class LayerLayout:
     def page(self, block_id: int) -> torch.Tensor:
         return self.tensor.select(self.block_dim, block_id)
 
+    def canonical(self, page: torch.Tensor) -> torch.Tensor | None:
+        """A [2, tokens, heads, head_size] view of one page, for the layouts we know:
+        FlashAttention-style [2, T, H, D] and vLLM CPU's [H, T, 2*D] (K, V side by side)."""
+        if self.kv_dims is None:
+            return None
+        h, t, d = self.kv_dims
+        if tuple(page.shape) == (2, t, h, d):
+            return page
+        if tuple(page.shape) == (h, t, 2 * d):
+            return page.view(h, t, 2, d).permute(2, 1, 0, 3)
+        return None
 
-def fingerprint(key: str, layout: str) -> bytes:
-    return hashlib.blake2b(f"{key}|{layout}".encode(), digest_size=8).digest()
+
+def fingerprint(key: str, layout: LayerLayout, codec_name: str) -> bytes:
+    return hashlib.blake2b(f"{key}|{layout.describe()}|{codec_name}".encode(), digest_size=8).digest()
 
 
-def object_bytes(layout: LayerLayout, blocks_per_chunk: int) -> int:
-    return HEADER_BYTES + blocks_per_chunk * layout.page_bytes
-
-
-def _pages(layout: LayerLayout, payload: torch.Tensor, n: int) -> torch.Tensor:
-    """View ``payload`` (uint8) as ``n`` pages of the layer's dtype and page shape."""
-    return payload.view(layout.tensor.dtype).view(n, *layout.page_shape)
+def object_bytes(layout: LayerLayout, n: int, codec) -> int:
+    """Size of a fixed-size codec's object of ``n`` blocks (header included)."""
+    return HEADER_BYTES + codec.payload_bytes(layout, n)
 
 
 def write_object(obj: torch.Tensor, layout: LayerLayout, block_ids: list[int], key: str,
-                 checksum: bool) -> None:
-    """Copy ``block_ids``' pages into ``obj`` (uint8 host memory) and seal it with a header."""
-    payload = obj[HEADER_BYTES:]
-    pages = _pages(layout, payload, len(block_ids))
-    for i, b in enumerate(block_ids):
-        pages[i].copy_(layout.page(b))
+                 checksum: bool, codec) -> None:
+    """Encode ``block_ids``' pages into ``obj`` (host memory) and seal it."""
+    codec.encode_into(layout, block_ids, obj[HEADER_BYTES:])
+    seal(obj, obj.numel() - HEADER_BYTES, layout, key, codec, checksum)
+
+
+def seal(obj: torch.Tensor, payload_len: int, layout: LayerLayout, key: str, codec, checksum: bool) -> None:
+    """Write the header of an object whose payload is already in ``obj[HEADER_BYTES:]``."""
+    payload = obj[HEADER_BYTES:HEADER_BYTES + payload_len]
     crc = zlib.crc32(payload.numpy()) if checksum else 0
-    header = HEADER.pack(MAGIC, HEADER_VERSION, int(checksum), fingerprint(key, layout.describe()),
-                         payload.numel(), crc, 0)
+    header = HEADER.pack(MAGIC, HEADER_VERSION, FLAG_CRC if checksum else 0,
+                         fingerprint(key, layout, codec.name), payload_len, crc, codec.cid, 0)
     obj[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
 
 
 def read_object(obj: torch.Tensor, layout: LayerLayout, block_ids: list[int], skip: int, key: str,
-                blocks_per_chunk: int, checksum: bool) -> None:
-    """Check ``obj`` against ``key`` and the layout, then copy pages ``skip..`` into ``block_ids``."""
-    if obj.numel() != object_bytes(layout, blocks_per_chunk):
-        raise CorruptObject(f"{key}: size {obj.numel()} != {object_bytes(layout, blocks_per_chunk)}")
-    magic, version, flags, fp, n, crc, _ = HEADER.unpack(obj[:HEADER_BYTES].numpy().tobytes())
-    if magic != MAGIC or version != HEADER_VERSION:
+                blocks_per_chunk: int, checksum: bool, codec) -> None:
+    """Check ``obj`` against ``key``, the layout and the codec, then decode pages
+    ``skip..`` into ``block_ids``."""
+    limit = HEADER_BYTES + codec.payload_bytes(layout, blocks_per_chunk)
+    if obj.numel() < HEADER_BYTES or obj.numel() > limit or (codec.fixed_size and obj.numel() != limit):
+        raise CorruptObject(f"{key}: size {obj.numel()} does not fit {limit}")
+    magic, version, flags, fp, n, crc, cid, _ = HEADER.unpack(obj[:HEADER_BYTES].numpy().tobytes())
+    if magic != MAGIC or version != HEADER_VERSION or cid != codec.cid:
         raise CorruptObject(f"{key}: bad header")
-    if fp != fingerprint(key, layout.describe()):
+    if fp != fingerprint(key, layout, codec.name):
         raise CorruptObject(f"{key}: stored for another key or cache layout")
-    payload = obj[HEADER_BYTES:]
-    if n != payload.numel():
-        raise CorruptObject(f"{key}: payload length {n} != {payload.numel()}")
-    if checksum and not flags & 1:
+    if n > obj.numel() - HEADER_BYTES or (codec.fixed_size and n != obj.numel() - HEADER_BYTES):
+        raise CorruptObject(f"{key}: payload length {n} does not fit the object")
+    payload = obj[HEADER_BYTES:HEADER_BYTES + n]
+    if checksum and not flags & FLAG_CRC:
         raise CorruptObject(f"{key}: written without a checksum")
     if checksum and zlib.crc32(payload.numpy()) != crc:
         raise CorruptObject(f"{key}: checksum mismatch")
-    pages = _pages(layout, payload, blocks_per_chunk)
-    for i, b in enumerate(block_ids):
-        layout.page(b).copy_(pages[skip + i])
+    try:
+        codec.decode(layout, payload, blocks_per_chunk, skip, block_ids)
+    except CorruptObject:
+        raise
+    except Exception as exc:  # a payload the codec cannot decode is corrupt, not a crash
+        raise CorruptObject(f"{key}: undecodable payload ({exc})") from None

@@ -4,7 +4,8 @@ Each engine gets a fresh process, so a pool hit can only come from the pool. Usa
     python tests/e2e/runner.py JOB.json   (prints one JSON line prefixed with RESULT)
 Job: {"model", "kv_config" | null, "rounds": [[token-id prompts], ...], "max_tokens",
       "block_size", "prefix_caching", "reset_between_rounds",
-      "between": [shell command run after round i, or null], "engine_args": {...}}
+      "between": [shell command run after round i, or null], "engine_args": {...},
+      "round_extra_args": [SamplingParams.extra_args per round, or null]}
 """
 
 from __future__ import annotations
@@ -66,7 +67,11 @@ def main(job_path: str) -> None:
             llm.reset_prefix_cache()
         if i and i - 1 < len(between) and between[i - 1]:
             subprocess.run(between[i - 1], shell=True, check=True)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+        extra = (job.get("round_extra_args") or [None] * len(job["rounds"]))[i]
+        round_params = params.clone()
+        if extra:
+            round_params.extra_args = extra
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], round_params,
                             use_tqdm=False)
         rounds.append([{
             "token_ids": list(o.outputs[0].token_ids),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ascend_store.codecs import RAW
 from ascend_store.transfer import (
     HEADER_BYTES,
     CorruptObject,
@@ -59,9 +60,9 @@ def _pair(make):
     return src, LayerLayout.of(src, NUM_BLOCKS), dst, LayerLayout.of(dst, NUM_BLOCKS)
 
 
-def _written(src_layout, block_ids=(1, 4), key=KEY, checksum=True):
-    obj = torch.zeros(object_bytes(src_layout, len(block_ids)), dtype=torch.uint8)
-    write_object(obj, src_layout, list(block_ids), key, checksum=checksum)
+def _written(src_layout, block_ids=(1, 4), key=KEY, checksum=True, codec=RAW):
+    obj = torch.zeros(object_bytes(src_layout, len(block_ids), RAW), dtype=torch.uint8)
+    write_object(obj, src_layout, list(block_ids), key, checksum=checksum, codec=RAW)
     return obj
 
 
@@ -121,7 +122,7 @@ def test_round_trip(layout_case):
     obj = _written(sl, (1, 4))
     assert obj.numel() == HEADER_BYTES + 2 * sl.page_bytes
     src_before = src.clone()
-    read_object(obj, dl, [5, 0], 0, KEY, 2, checksum=True)
+    read_object(obj, dl, [5, 0], 0, KEY, 2, checksum=True, codec=RAW)
     assert torch.equal(src, src_before)  # writing never touches the source
     assert torch.equal(_page(dst, dim, 5), _page(src, dim, 1))
     assert torch.equal(_page(dst, dim, 0), _page(src, dim, 4))
@@ -134,7 +135,7 @@ def test_round_trip_with_skip(layout_case):
     make, dim, _ = layout_case
     src, sl, dst, dl = _pair(make)
     obj = _written(sl, (1, 4))
-    read_object(obj, dl, [3], 1, KEY, 2, checksum=True)
+    read_object(obj, dl, [3], 1, KEY, 2, checksum=True, codec=RAW)
     assert torch.equal(_page(dst, dim, 3), _page(src, dim, 4))
     for b in (0, 1, 2, 4, 5):
         assert not _page(dst, dim, b).any(), f"block {b} was touched"
@@ -146,7 +147,7 @@ def test_round_trip_between_layouts_of_same_page():
     src = _fill(block_major_cache(), seed=3)
     dst = flash_cache()
     obj = _written(LayerLayout.of(src, NUM_BLOCKS), (0, 2))
-    read_object(obj, LayerLayout.of(dst, NUM_BLOCKS), [2, 0], 0, KEY, 2, checksum=True)
+    read_object(obj, LayerLayout.of(dst, NUM_BLOCKS), [2, 0], 0, KEY, 2, checksum=True, codec=RAW)
     assert torch.equal(dst[:, 2], src[:, 0])
     assert torch.equal(dst[:, 0], src[:, 2])
 
@@ -155,8 +156,8 @@ def test_object_depends_only_on_content():
     src = _fill(cpu_cache(), seed=5)
     sl = LayerLayout.of(src, NUM_BLOCKS)
     a = _written(sl, (1, 4))
-    b = torch.full((object_bytes(sl, 2),), 0xAB, dtype=torch.uint8)  # dirty buffer
-    write_object(b, sl, [1, 4], KEY, checksum=True)
+    b = torch.full((object_bytes(sl, 2, RAW),), 0xAB, dtype=torch.uint8)  # dirty buffer
+    write_object(b, sl, [1, 4], KEY, checksum=True, codec=RAW)
     assert torch.equal(a, b)
 
 
@@ -164,7 +165,7 @@ def test_object_depends_only_on_content():
 
 def _assert_rejected(obj, dl, dst, key=KEY, match=None):
     with pytest.raises(CorruptObject, match=match):
-        read_object(obj, dl, [0, 5], 0, key, 2, checksum=True)
+        read_object(obj, dl, [0, 5], 0, key, 2, checksum=True, codec=RAW)
     assert not dst.any(), "a corrupt object reached the cache"
 
 
@@ -196,7 +197,7 @@ def test_flipped_header_byte_never_yields_wrong_data(pos):
     obj = _written(sl)
     obj[pos] ^= 0xFF
     try:
-        read_object(obj, dl, [0, 5], 0, KEY, 2, checksum=True)
+        read_object(obj, dl, [0, 5], 0, KEY, 2, checksum=True, codec=RAW)
     except CorruptObject:
         assert not dst.any()
     else:
@@ -223,9 +224,9 @@ def test_wrong_blocks_per_chunk_rejected():
     _, sl, dst, dl = _pair(cpu_cache)
     obj = _written(sl)
     with pytest.raises(CorruptObject):
-        read_object(obj, dl, [0], 0, KEY, 1, checksum=True)
+        read_object(obj, dl, [0], 0, KEY, 1, checksum=True, codec=RAW)
     with pytest.raises(CorruptObject):
-        read_object(obj, dl, [0, 1, 2], 0, KEY, 3, checksum=True)
+        read_object(obj, dl, [0, 1, 2], 0, KEY, 3, checksum=True, codec=RAW)
     assert not dst.any()
 
 
@@ -240,7 +241,7 @@ def test_other_layout_rejected(other):
     obj = _written(sl)
     ol = LayerLayout.of(other, NUM_BLOCKS)
     with pytest.raises(CorruptObject):
-        read_object(obj, ol, [0, 5], 0, KEY, 2, checksum=True)
+        read_object(obj, ol, [0, 5], 0, KEY, 2, checksum=True, codec=RAW)
     assert not other.any()
 
 
@@ -248,22 +249,22 @@ def test_without_checksum_payload_flip_is_not_detected():
     """Documented trade-off: checksum=False skips the CRC, so payload corruption gets through."""
     src, sl, dst, dl = _pair(cpu_cache)
     # Written without a CRC: a reader that asks for verification refuses it...
-    obj = _written(sl, checksum=False)
+    obj = _written(sl, checksum=False, codec=RAW)
     obj[HEADER_BYTES + 5] ^= 0x40
     with pytest.raises(CorruptObject, match="without a checksum"):
-        read_object(obj, dl, [0, 5], 0, KEY, 2, checksum=True)
+        read_object(obj, dl, [0, 5], 0, KEY, 2, checksum=True, codec=RAW)
     # ...and a reader that does not verify takes the corrupted bytes.
-    read_object(obj, dl, [0, 5], 0, KEY, 2, checksum=False)
+    read_object(obj, dl, [0, 5], 0, KEY, 2, checksum=False, codec=RAW)
     assert not torch.equal(dst[0], src[1])
     assert torch.equal(dst[5], src[4])
     # Written with a CRC but read without verification: not detected either.
     dst.zero_()
-    obj = _written(sl, checksum=True)
+    obj = _written(sl, checksum=True, codec=RAW)
     obj[HEADER_BYTES + 5] ^= 0x40
-    read_object(obj, dl, [0, 5], 0, KEY, 2, checksum=False)
+    read_object(obj, dl, [0, 5], 0, KEY, 2, checksum=False, codec=RAW)
     assert not torch.equal(dst[0], src[1])
     # ...but the key binding is still checked without a checksum.
     dst.zero_()
     with pytest.raises(CorruptObject):
-        read_object(obj, dl, [0, 5], 0, "other", 2, checksum=False)
+        read_object(obj, dl, [0, 5], 0, "other", 2, checksum=False, codec=RAW)
     assert not dst.any()

@@ -1,0 +1,150 @@
+"""Pool-side codecs: how one chunk's pages become an object payload and back.
+
+- ``raw``: the pages' bytes as they are. Byte-exact, so it is also the pass-through for
+  quantized KV caches (fp8 or int8 caches are stored as their own bytes).
+- ``int8``: symmetric INT8 for floating-point caches. Per block, keys get one scale per
+  (head, channel) (keys have outlier channels) and values one per (token, head); scales
+  are fp16. Stored bytes: 1/2 of bf16 plus 1/(2T) + 1/(2D) for the scales (T tokens per
+  block, D head size): 0.508x for block 128 and head size 128.
+- ``zstd``: lossless compression of the raw bytes, for slow tiers; variable-size objects.
+
+A codec is part of the namespace and of every object's header, so instances with
+different codecs never read each other's objects.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ascend_store.transfer import LayerLayout
+
+
+class Codec(ABC):
+    name: str
+    cid: int
+    fixed_size = True
+
+    @abstractmethod
+    def payload_bytes(self, layout: LayerLayout, n: int) -> int:
+        """Payload size of ``n`` blocks (an upper bound for variable-size codecs)."""
+
+    def check(self, layout: LayerLayout) -> None:
+        """Raise ValueError at startup if this codec cannot encode the layout."""
+
+    def encode_into(self, layout: LayerLayout, block_ids: list[int], payload: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def encode_bytes(self, layout: LayerLayout, block_ids: list[int]) -> bytes:
+        raise NotImplementedError
+
+    @abstractmethod
+    def decode(self, layout: LayerLayout, payload: torch.Tensor, n: int, skip: int,
+               block_ids: list[int]) -> None:
+        """Write pages ``skip..skip+len(block_ids)`` of an ``n``-block payload into the cache."""
+
+
+def _pages(layout: LayerLayout, payload: torch.Tensor, n: int) -> torch.Tensor:
+    """View a uint8 payload as ``n`` pages of the layer's dtype and page shape."""
+    return payload.view(layout.tensor.dtype).view(n, *layout.page_shape)
+
+
+class RawCodec(Codec):
+    name, cid = "raw", 0
+
+    def payload_bytes(self, layout, n):
+        return n * layout.page_bytes
+
+    def encode_into(self, layout, block_ids, payload):
+        pages = _pages(layout, payload, len(block_ids))
+        for i, b in enumerate(block_ids):
+            pages[i].copy_(layout.page(b))
+
+    def decode(self, layout, payload, n, skip, block_ids):
+        pages = _pages(layout, payload, n)
+        for i, b in enumerate(block_ids):
+            layout.page(b).copy_(pages[skip + i])
+
+
+class Int8Codec(Codec):
+    name, cid = "int8", 1
+
+    def check(self, layout):
+        if not layout.tensor.dtype.is_floating_point or layout.tensor.element_size() < 2:
+            raise ValueError(f"codec int8 needs a 16- or 32-bit float KV cache, got {layout.tensor.dtype}")
+        if layout.kv_dims is None or layout.canonical(layout.page(0)) is None:
+            raise ValueError(f"codec int8 does not know the page layout {layout.describe()}")
+
+    def _sizes(self, layout, n):
+        h, t, d = layout.kv_dims
+        return n * 2 * t * h * d, n * h * d, n * t * h
+
+    def payload_bytes(self, layout, n):
+        q, ks, vs = self._sizes(layout, n)
+        return q + 2 * (ks + vs)
+
+    def _split(self, layout, payload, n):
+        h, t, d = layout.kv_dims
+        q, ks, vs = self._sizes(layout, n)
+        return (payload[:q].view(torch.int8).view(n, 2, t, h, d),
+                payload[q:q + 2 * ks].view(torch.float16).view(n, h, d),
+                payload[q + 2 * ks:q + 2 * (ks + vs)].view(torch.float16).view(n, t, h))
+
+    def encode_into(self, layout, block_ids, payload):
+        q, k_scale, v_scale = self._split(layout, payload, len(block_ids))
+        x = torch.stack([layout.canonical(layout.page(b)) for b in block_ids]).float()
+        k, v = x[:, 0], x[:, 1]  # [n, T, H, D]
+        ks = (k.abs().amax(dim=1) / 127).clamp(min=6.2e-5, max=65504).half()  # [n, H, D]
+        vs = (v.abs().amax(dim=3) / 127).clamp(min=6.2e-5, max=65504).half()  # [n, T, H]
+        q[:, 0].copy_((k / ks.float()[:, None]).round_().clamp_(-127, 127))
+        q[:, 1].copy_((v / vs.float()[..., None]).round_().clamp_(-127, 127))
+        k_scale.copy_(ks)
+        v_scale.copy_(vs)
+
+    def decode(self, layout, payload, n, skip, block_ids):
+        q, k_scale, v_scale = self._split(layout, payload, n)
+        for i, b in enumerate(block_ids):
+            j = skip + i
+            dst = layout.canonical(layout.page(b))
+            dst[0].copy_(q[j, 0].float() * k_scale[j].float()[None])
+            dst[1].copy_(q[j, 1].float() * v_scale[j].float()[..., None])
+
+
+class ZstdCodec(Codec):
+    name, cid = "zstd", 2
+    fixed_size = False
+
+    def __init__(self, level: int = 3):
+        import zstandard  # the "zstd" extra; checked when the codec is configured
+
+        self._c = zstandard.ZstdCompressor(level=level)
+        self._d = zstandard.ZstdDecompressor()
+
+    def payload_bytes(self, layout, n):
+        return n * layout.page_bytes + 1024
+
+    def encode_bytes(self, layout, block_ids):
+        raw = torch.empty(len(block_ids) * layout.page_bytes, dtype=torch.uint8)
+        RAW.encode_into(layout, block_ids, raw)
+        return self._c.compress(raw.numpy().tobytes())
+
+    def decode(self, layout, payload, n, skip, block_ids):
+        raw = self._d.decompress(payload.numpy().tobytes(), max_output_size=n * layout.page_bytes)
+        if len(raw) != n * layout.page_bytes:
+            raise ValueError("decompressed size does not match the layout")
+        RAW.decode(layout, torch.frombuffer(bytearray(raw), dtype=torch.uint8), n, skip, block_ids)
+
+
+RAW = RawCodec()
+CODEC_NAMES = ("raw", "int8", "zstd")
+
+
+def get_codec(name: str) -> Codec:
+    if name == "raw":
+        return RAW
+    if name == "int8":
+        return Int8Codec()
+    if name == "zstd":
+        return ZstdCodec()
+    raise ValueError(f"unknown codec {name!r}")
