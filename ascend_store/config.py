@@ -7,13 +7,14 @@ at engine start instead of silently falling back to a default.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-BACKENDS = ("local",)
+BACKENDS = ("local", "mooncake", "memcache")
 CODECS = ("raw", "int8", "zstd")
 # Or a backend class of your own: "package.module:ClassName", built as Class(cfg, role).
 _CLASS_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -26,7 +27,7 @@ class ConfigError(ValueError):
     """A configuration key is unknown or has a bad value."""
 
 
-def parse_size(value: Any, key: str) -> int:
+def parse_size(value: Any, key: str, allow_zero: bool = False) -> int:
     """``"8GiB"``, ``"512MB"``, ``1073741824`` -> bytes."""
     if isinstance(value, bool):
         raise ConfigError(f"{key}: expected a size like '8GiB' or an integer, got {value!r}")
@@ -37,8 +38,8 @@ def parse_size(value: Any, key: str) -> int:
         size = int(float(m.group(1)) * _UNITS[unit])
     else:
         raise ConfigError(f"{key}: expected a size like '8GiB' or an integer, got {value!r}")
-    if size <= 0:
-        raise ConfigError(f"{key}: must be positive, got {value!r}")
+    if size < 0 or (size == 0 and not allow_zero):
+        raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else 'positive'}, got {value!r}")
     return size
 
 
@@ -129,6 +130,52 @@ class LocalPoolConfig:
 
 
 @dataclass(frozen=True)
+class StoreServiceConfig:
+    """A Mooncake-style store service (``mooncake``; ``memcache`` uses the same keys).
+
+    Values come from the JSON file named by ``MOONCAKE_CONFIG_PATH`` (``mooncake`` only)
+    and are overridden by the section in the extra config."""
+
+    master: str = "127.0.0.1:50051"
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    device: str = ""
+    local_hostname: str = "127.0.0.1"
+    global_segment_size: int = 4 * 2**30
+    local_buffer_size: int = 256 * 2**20
+    # Our registered staging buffer: one step's saves or loads must fit.
+    staging_size: int = 1 * 2**30
+
+    KEYS = ("master", "metadata_server", "protocol", "device", "local_hostname",
+            "global_segment_size", "local_buffer_size", "staging_size")
+    SIZES = ("global_segment_size", "local_buffer_size", "staging_size")
+
+    @classmethod
+    def parse(cls, section: str, raw: Any, env_file: str | None = None) -> StoreServiceConfig:
+        merged = {}
+        if env_file:
+            try:
+                with open(env_file) as f:
+                    merged = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"MOONCAKE_CONFIG_PATH={env_file}: {exc}") from None
+            merged = {k: v for k, v in merged.items() if k in cls.KEYS}
+            if "master_server_address" in merged:
+                merged["master"] = merged.pop("master_server_address")
+        r = _Reader(section, {**merged, **(raw or {})})
+        # global_segment_size 0: this engine contributes no memory (a mooncake_client does).
+        kw = {k: parse_size(r.raw.pop(k), f"{section}.{k}", allow_zero=(k == "global_segment_size"))
+              for k in cls.SIZES if k in r.raw}
+        kw.update(master=r.take("master", cls.master, str),
+                  metadata_server=r.take("metadata_server", cls.metadata_server, str),
+                  protocol=r.choice("protocol", "tcp", ("tcp", "rdma", "ascend")),
+                  device=r.take("device", "", str),
+                  local_hostname=r.take("local_hostname", cls.local_hostname, str))
+        r.finish(cls.KEYS)
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
 class LookupCacheConfig:
     enabled: bool = True
     ttl_s: float = 30.0
@@ -161,10 +208,13 @@ class StoreConfig:
     # before any block of that step is written) instead of at the end of this one.
     defer_save_drain: bool = True
     local: LocalPoolConfig = field(default_factory=LocalPoolConfig)
+    mooncake: StoreServiceConfig = field(default_factory=StoreServiceConfig)
+    memcache: StoreServiceConfig = field(default_factory=StoreServiceConfig)
     lookup_cache: LookupCacheConfig = field(default_factory=LookupCacheConfig)
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
-            "verify_checksum", "codec", "defer_save_drain", "local", "lookup_cache")
+            "verify_checksum", "codec", "defer_save_drain", "local", "mooncake", "memcache",
+            "lookup_cache")
 
     @classmethod
     def parse(cls, raw: Any) -> "StoreConfig":
@@ -186,6 +236,10 @@ class StoreConfig:
             codec=_codec(r.choice("codec", "raw", CODECS)),
             defer_save_drain=r.take("defer_save_drain", True, bool),
             local=LocalPoolConfig.parse(r.raw.pop("local", None)),
+            mooncake=StoreServiceConfig.parse("mooncake", r.raw.pop("mooncake", None),
+                                              os.environ.get("MOONCAKE_CONFIG_PATH")
+                                              if backend == "mooncake" else None),
+            memcache=StoreServiceConfig.parse("memcache", r.raw.pop("memcache", None)),
             lookup_cache=LookupCacheConfig.parse(r.raw.pop("lookup_cache", None)),
         )
         r.finish(cls.KEYS)

@@ -165,8 +165,10 @@ class PoolWorker:
                     for name in self.order for j, ld in enumerate(job.loads)
                     if ld.group == self.layer_ids[name][0]]
             # Requests sharing a prefix name the same objects: lease each key once.
-            unique = list(dict.fromkeys(k for _, _, k in plan))
-            slots = dict(zip(unique, self.backend.lease(unique)))
+            layer_of = {k: name for name, _, k in plan}
+            unique = list(layer_of)
+            slots = dict(zip(unique, self.backend.lease(unique, [self._object_bytes(layer_of[k])
+                                                                 for k in unique])))
             leased = [k for k, s in slots.items() if s.status is Status.OK]
             by_layer: dict[str, list] = {}
             for name, j, key in plan:

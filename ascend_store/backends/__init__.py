@@ -16,10 +16,22 @@ def create_backend(cfg, *, role: str) -> GuardedBackend:
         from ascend_store.backends.local.client import LocalBackend
 
         inner = LocalBackend(cfg.local, timeout_s=cfg.timeout_s, map_arena=(role == "worker"))
+        service = f"local pool {cfg.local.socket}"
+    elif cfg.backend == "mooncake":
+        from ascend_store.backends.mooncake import MooncakeBackend
+
+        inner = MooncakeBackend(cfg.mooncake, cfg.timeout_s, role)
+        service = f"mooncake master {cfg.mooncake.master}"
+    elif cfg.backend == "memcache":
+        from ascend_store.backends.memcache import MemcacheBackend
+
+        inner = MemcacheBackend(cfg.memcache, cfg.timeout_s, role)
+        service = f"memcache {cfg.memcache.master}"
     else:
         module, _, name = cfg.backend.partition(":")
         inner = getattr(importlib.import_module(module), name)(cfg, role)
-    return GuardedBackend(inner)
+        service = cfg.backend
+    return GuardedBackend(inner, service)
 
 
 __all__ = ["Backend", "BackendUnavailable", "Slot", "Status", "create_backend"]

@@ -57,7 +57,9 @@ class Backend(ABC):
     def abort(self, keys: list[str]) -> None: ...
 
     @abstractmethod
-    def lease(self, keys: list[str]) -> list[Slot]: ...
+    def lease(self, keys: list[str], sizes: list[int] | None = None) -> list[Slot]:
+        """``sizes``: the largest each object can be (stores that copy into staging
+        memory need it; the local pool ignores it)."""
 
     @abstractmethod
     def release(self, keys: list[str]) -> None: ...

@@ -20,8 +20,14 @@ _PASSTHROUGH = ("buffer", "exists", "reserve", "commit", "abort", "lease", "rele
 
 
 class GuardedBackend:
-    def __init__(self, inner: Backend, first_backoff_s: float = 0.5, max_backoff_s: float = 5.0):
+    # Services known to be down in this process: the scheduler's and the worker's backends
+    # of one engine share an outage, and it gets one warning, not one per client.
+    _down: set[str] = set()
+
+    def __init__(self, inner: Backend, service: str, first_backoff_s: float = 0.5,
+                 max_backoff_s: float = 5.0):
         self.inner = inner
+        self.service = service
         self._first, self._max = first_backoff_s, max_backoff_s
         self._backoff = 0.0
         self._open_until = 0.0
@@ -40,15 +46,21 @@ class GuardedBackend:
                 out = fn(*args, **kwargs)
             except BackendUnavailable as exc:
                 with self._lock:
+                    first = self.service not in GuardedBackend._down
+                    GuardedBackend._down.add(self.service)
                     self.failures += 1
                     self._backoff = min(self._max, self._backoff * 2 or self._first)
                     self._open_until = time.monotonic() + self._backoff
-                log.warning("KV pool call %s failed (%s); recomputing, next try in %.1fs",
-                            name, exc, self._backoff)
+                # One warning per outage; the retries while it lasts are debug noise.
+                (log.warning if first else log.debug)(
+                    "KV pool %s: %s failed (%s); requests recompute until it is back",
+                    self.service, name, exc)
                 raise
             if self._backoff:
-                log.info("KV pool reachable again")
                 self._backoff = 0.0
+                if self.service in GuardedBackend._down:
+                    GuardedBackend._down.discard(self.service)
+                    log.warning("KV pool %s reachable again", self.service)
             return out
 
         return guarded

@@ -69,8 +69,8 @@ class FaultyBackend:
     def exists(self, keys):
         return self._call("exists", keys)
 
-    def lease(self, keys):
-        return self._call("lease", keys)
+    def lease(self, keys, sizes=None):
+        return self._call("lease", keys, sizes)
 
     def reserve(self, keys, sizes):
         return self._call("reserve", keys, sizes)

@@ -1,8 +1,8 @@
 """Issue 10 soak: 2,000 requests through a pool small enough to evict all the time.
 
 At the end nothing may be left pinned (leases, reservations), the scheduler may hold no
-finished request, and the engine's and the pool's memory must stay flat between the
-first and the last quarter. The numbers are printed for the record (-s shows them).
+finished request, and the engine's and the pool's memory must stay flat (the engine's
+from the second quarter on: the first warms vLLM's and the allocator's caches). The numbers are printed for the record (-s shows them).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def test_soak_2000_requests_constant_eviction(tmp_path, model, pool_small):
     assert end["expired_leases"] == 0 and end["expired_reservations"] == 0  # none leaked on the way
     assert end["evictions"] > 1000 and hits > 100
     assert r["scheduler_requests"] == 0
-    assert engine_rss[-1] - engine_rss[0] < 64 * MiB
+    # The first round warms vLLM's and the allocator's caches; growth after it is a leak.
+    assert engine_rss[-1] - engine_rss[1] < 32 * MiB
     assert pool_rss[-1] - pool_rss[0] < 8 * MiB
     for rnd in r["rounds"][1:]:  # hits or not, every round gives the first round's tokens
         assert_same_outputs(rnd, r["rounds"][0])

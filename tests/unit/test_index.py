@@ -7,8 +7,9 @@ from itertools import pairwise
 
 import pytest
 
+from ascend_store.backends.alloc import ALIGN, FreeList
 from ascend_store.backends.base import Status
-from ascend_store.backends.local.index import ALIGN, FreeList, PoolIndex
+from ascend_store.backends.local.index import PoolIndex
 
 
 class FakeClock:

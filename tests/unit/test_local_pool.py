@@ -534,7 +534,7 @@ def test_restart_with_larger_arena_remaps_before_handing_out_slots(pool, client)
 
 def test_guard_backs_off_after_failure(pool):
     inner = pool.client(timeout_s=1.0)
-    guard = GuardedBackend(inner, first_backoff_s=0.5)
+    guard = GuardedBackend(inner, "test pool", first_backoff_s=0.5)
     try:
         assert guard.exists(["k"]) == [False]
         os.kill(pool.pid, signal.SIGSTOP)
@@ -565,7 +565,7 @@ def test_guard_backs_off_after_failure(pool):
 def test_guard_backoff_doubles_caps_and_resets(sockdir):
     path = os.path.join(sockdir, "p.sock")
     inner = LocalBackend(LocalPoolConfig(socket=path, start="never"), timeout_s=1.0)
-    guard = GuardedBackend(inner, first_backoff_s=0.3, max_backoff_s=0.6)
+    guard = GuardedBackend(inner, "test pool", first_backoff_s=0.3, max_backoff_s=0.6)
 
     def attempt():
         try:

@@ -129,7 +129,7 @@ class LocalBackend(Backend):
         if keys:
             self._call("abort", keys=keys)
 
-    def lease(self, keys):
+    def lease(self, keys, sizes=None):
         if not keys:
             return []
         r = self._call("lease", keys=keys)
