@@ -2,7 +2,8 @@
 
 At the end nothing may be left pinned (leases, reservations), the scheduler may hold no
 finished request, and the engine's and the pool's memory must stay flat (the engine's
-from the second quarter on: the first warms vLLM's and the allocator's caches). The numbers are printed for the record (-s shows them).
+from the second quarter on: the first warms vLLM's and the allocator's caches). The
+numbers are printed for the record (-s shows them).
 """
 
 from __future__ import annotations
