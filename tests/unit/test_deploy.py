@@ -28,7 +28,7 @@ def test_example_config_is_valid(path):
     assert raw["kv_connector_module_path"] == "ascend_store.connector"
     fields = {k: raw[k] for k in ("kv_role", "kv_connector_extra_config")}
     cfg = check_transfer_config(SimpleNamespace(**fields))
-    assert cfg.backend == "local"
+    assert os.path.basename(path).startswith(cfg.backend + "-")
     assert raw["kv_role"] in os.path.basename(path)
 
 
@@ -40,3 +40,11 @@ def test_k8s_config_is_valid():
     for raw in _k8s_configs():
         check_transfer_config(SimpleNamespace(kv_role=raw["kv_role"],
                                               kv_connector_extra_config=raw["kv_connector_extra_config"]))
+
+
+def test_mooncake_config_file_is_valid(monkeypatch):
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", os.path.join(DEPLOY, "mooncake", "mooncake.json"))
+    cfg = check_transfer_config(SimpleNamespace(kv_role="kv_both",
+                                                kv_connector_extra_config={"backend": "mooncake"}))
+    assert cfg.mooncake.master == "mooncake-master:50051"
+    assert cfg.mooncake.global_segment_size == 0 and cfg.mooncake.staging_size == 2 * 2**30
