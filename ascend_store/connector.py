@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ascend_store.config import check_transfer_config
+from ascend_store.layers import check_supported
 from ascend_store.stats import AscendStorePromMetrics, AscendStoreStats
 
 
@@ -25,6 +26,8 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         cfg = check_transfer_config(ktc)
+        if kv_cache_config is not None:
+            check_supported(kv_cache_config)
         self.scheduler = self.worker = None
         if role == KVConnectorRole.SCHEDULER:
             from ascend_store.pool_scheduler import PoolScheduler

@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+from ascend_store.config import ConfigError
 from ascend_store.keys import layer_index
+
+
+def check_supported(kv_cache_config) -> None:
+    """Only full-attention KV is stored in this release: refuse anything else at start
+    instead of serving a hybrid model without its recurrent state (docs/hybrid.md)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        windowed = type(spec).__name__.startswith("Sliding") or getattr(spec, "sliding_window", None)
+        if not isinstance(spec, FullAttentionSpec) or windowed:
+            raise ConfigError(
+                f"ascend-store: KV cache group {g} is {type(spec).__name__}; this release stores "
+                "full-attention KV only (hybrid and sliding-window models are not supported yet, "
+                "see docs/hybrid.md)")
 
 
 def layer_ids(kv_cache_config) -> dict[str, tuple[int, int]]:

@@ -48,3 +48,4 @@ def test_mooncake_config_file_is_valid(monkeypatch):
                                                 kv_connector_extra_config={"backend": "mooncake"}))
     assert cfg.mooncake.master == "mooncake-master:50051"
     assert cfg.mooncake.global_segment_size == 0 and cfg.mooncake.staging_size == 2 * 2**30
+
