@@ -1,0 +1,63 @@
+"""The one place that knows which accelerator it runs on: CUDA, Ascend NPU or CPU.
+
+Everything device-specific that the transfer path needs goes through here: streams and
+events, registering host memory (the pool's arena) as pinned, and the per-layer batched
+copy between a paged KV cache and host memory (``kernels.copy_segments``). NPU calls go
+through ``torch_npu`` and are untested here (no Ascend hardware); CUDA is exercised by
+``benchmarks/transfer.py`` on a GPU and CPU by the test suite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class Device:
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.type = self.device.type
+        self._mod = {"cuda": getattr(torch, "cuda", None), "npu": getattr(torch, "npu", None)}.get(self.type)
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self._mod is not None
+
+    def stream(self):
+        return self._mod.Stream(device=self.device) if self.is_accelerator else None
+
+    def event(self):
+        return self._mod.Event() if self.is_accelerator else None
+
+    def use(self, stream):
+        return self._mod.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def record(self, stream=None):
+        """An event marking the work queued so far on ``stream`` (default: current)."""
+        if not self.is_accelerator:
+            return None
+        ev = self._mod.Event()
+        ev.record(stream or self._mod.current_stream(self.device))
+        return ev
+
+    def wait(self, event, stream=None) -> None:
+        """Make ``stream`` (default: the compute stream) wait for ``event`` without blocking
+        the host."""
+        if event is not None:
+            (stream or self._mod.current_stream(self.device)).wait_event(event)
+
+    def pin(self, buffer) -> bool:
+        """Register host memory (e.g. the mmapped arena) as pinned so DMA and kernels can
+        reach it. Returns False where nothing needs doing (CPU)."""
+        if self.type == "cuda":
+            t = torch.frombuffer(buffer, dtype=torch.uint8)
+            rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 3)  # portable | mapped
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister failed ({rc})")
+            return True
+        if self.type == "npu":  # pragma: no cover - needs Ascend hardware
+            import torch_npu  # noqa: F401
+
+            raise NotImplementedError("registering host memory on NPU is not implemented yet")
+        return False
