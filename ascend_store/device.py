@@ -61,3 +61,7 @@ class Device:
 
             raise NotImplementedError("registering host memory on NPU is not implemented yet")
         return False
+
+    def unpin(self, buffer) -> None:
+        if self.type == "cuda":
+            torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(buffer, dtype=torch.uint8).data_ptr())

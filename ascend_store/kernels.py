@@ -48,7 +48,7 @@ class HostPtr:
 
 
 def copy_segments(src, dst, src_offs: torch.Tensor, dst_offs: torch.Tensor, seg_words: int,
-                  block: int = 1024) -> None:
+                  block: int = 1024, num_warps: int = 4) -> None:
     """Copy ``len(src_offs)`` segments of ``seg_words`` 8-byte words each.
 
     ``src``/``dst`` are int64 tensors or ``HostPtr``s; offsets are int64 tensors of word
@@ -58,7 +58,7 @@ def copy_segments(src, dst, src_offs: torch.Tensor, dst_offs: torch.Tensor, seg_
     if n == 0:
         return
     grid = (n, triton.cdiv(seg_words, block))
-    _copy_segments_kernel[grid](src, dst, src_offs, dst_offs, seg_words, BLOCK=block)
+    _copy_segments_kernel[grid](src, dst, src_offs, dst_offs, seg_words, BLOCK=block, num_warps=num_warps)
 
 
 def copy_segments_torch(src: torch.Tensor, dst: torch.Tensor, src_offs: list[int], dst_offs: list[int],

@@ -57,7 +57,9 @@ def timed(fn, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_geometry(name, geom, token_counts, dev):
+def run_geometry(name, geom, token_counts, dev, cfg, tune=False):
+    """Measure every path; with ``tune``, first try kernel block/warp choices and keep the
+    fastest in ``cfg`` ({"save": (block, warps), "load": ...})."""
     layers, heads, dim, bs = geom
     seg_bytes = bs * heads * dim * 2  # one block's K (or V) in bf16
     max_blocks = max(token_counts) // bs
@@ -113,11 +115,23 @@ def run_geometry(name, geom, token_counts, dev):
 
         def direct_save():
             for li, c in enumerate(caches):
-                copy_segments(c.view(torch.int64), HostPtr(base), src_offs, dst_offs[li], words)
+                copy_segments(c.view(torch.int64), HostPtr(base), src_offs, dst_offs[li], words,
+                              *cfg["save"])
 
         def direct_load():
             for li, c in enumerate(caches):
-                copy_segments(HostPtr(base), c.view(torch.int64), dst_offs[li], src_offs, words)
+                copy_segments(HostPtr(base), c.view(torch.int64), dst_offs[li], src_offs, words,
+                              *cfg["load"])
+
+        if tune:
+            for kind, fn in (("save", direct_save), ("load", direct_load)):
+                results = []
+                for c in ((512, 4), (1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)):
+                    cfg[kind] = c
+                    results.append((kv_bytes / timed(fn) / 1e9, c))
+                    print(f"# tune {name} {tokens} {kind} block={c[0]} warps={c[1]}: "
+                          f"{results[-1][0]:.1f} GB/s", flush=True)
+                cfg[kind] = max(results)[1]
 
         # Correctness: what direct_save wrote is each block's bytes; direct_load restores them.
         direct_save()
@@ -140,9 +154,12 @@ def run_geometry(name, geom, token_counts, dev):
                "gather_save": kv_bytes / timed(gather_save) / 1e9}
         if tokens <= 16384:  # one launch per segment: slow enough to keep to smaller sizes
             res["naive_save"] = kv_bytes / timed(naive_save, reps=1) / 1e9
+        res["direct_cfg"] = f"save {cfg['save']}, load {cfg['load']}"
         rows.append(res)
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in res.items()}),
               flush=True)
+    caches.clear()  # free the GPU memory before the next geometry
+    dev.unpin(arena)
     return rows
 
 
@@ -157,7 +174,9 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     rows = []
     for g in args.geometry:
-        rows += run_geometry(g, GEOMETRIES[g], args.tokens, dev)
+        cfg = {"save": (1024, 4), "load": (1024, 4)}
+        run_geometry(g, GEOMETRIES[g], [16384], dev, cfg, tune=True)  # once per geometry
+        rows += run_geometry(g, GEOMETRIES[g], args.tokens, dev, cfg)
     print(f"\n{'geometry':<18}{'tokens':>7}{'MiB':>8}  {'ceil save':>9}{'direct':>8}{'%':>5}"
           f"{'gather':>8}{'naive':>7}  {'ceil load':>9}{'direct':>8}{'%':>5}")
     for r in rows:
