@@ -213,7 +213,8 @@ def main() -> None:
               f"{r['direct_save']:>8.1f}{100 * r['direct_save'] / cs:>5.0f}"
               f"{r['staged_save']:>8.1f}{100 * r['staged_save'] / cs:>5.0f}"
               f"{r['gather_save']:>8.1f}{naive:>7}  {cl:>9.1f}{r['direct_load']:>8.1f}"
-              f"{100 * r['direct_load'] / cl:>5.0f}{r['staged_load']:>8.1f}{100 * r['staged_load'] / cl:>5.0f}")
+              f"{100 * r['direct_load'] / cl:>5.0f}{r['staged_load']:>8.1f}"
+              f"{100 * r['staged_load'] / cl:>5.0f}")
     print("(GB/s of KV bytes; % = path / pinned ceiling measured in the same run)")
     if args.json:
         with open(args.json, "w") as f:
