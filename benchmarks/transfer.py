@@ -243,7 +243,8 @@ def main() -> None:
             ax.set_title(f"{kind}, all layers")
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("GB/s")
-        axes[1].legend(fontsize=7)
+        for ax in axes:
+            ax.legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
 
