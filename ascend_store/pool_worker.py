@@ -160,7 +160,7 @@ class PoolWorker:
         leased: list[str] = []
         t0 = time.perf_counter()
         try:
-            arena = self._arena_tensor()
+            self._arena_tensor()  # map the arena first so slot bounds are checked against it
             plan = [(name, j, self._key(name, ld.group, ld.chunk_hash))
                     for name in self.order for j, ld in enumerate(job.loads)
                     if ld.group == self.layer_ids[name][0]]
@@ -170,6 +170,7 @@ class PoolWorker:
             slots = dict(zip(unique, self.backend.lease(unique, [self._object_bytes(layer_of[k])
                                                                  for k in unique])))
             leased = [k for k, s in slots.items() if s.status is Status.OK]
+            arena = self._arena_tensor()  # again: a pool restart seen by the lease remaps it
             by_layer: dict[str, list] = {}
             for name, j, key in plan:
                 by_layer.setdefault(name, []).append((j, key, slots[key]))
