@@ -158,6 +158,8 @@ class PoolWorker:
 
     def _run_load(self, job: _LoadJob) -> None:
         leased: list[str] = []
+        corrupt: set[int] = set()  # chunks whose objects are removed, so a recompute republishes them
+        plan: list[tuple[str, int, str]] = []
         t0 = time.perf_counter()
         try:
             self._arena_tensor()  # map the arena first so slot bounds are checked against it
@@ -193,6 +195,7 @@ class PoolWorker:
                         self.counters["load_corrupt"] += 1
                         log.warning("KV pool object rejected, recomputing: %s", exc)
                         job.failed.add(j)
+                        corrupt.add(j)
                         continue
                     self.counters["loaded_objects"] += 1
                     self.counters["loaded_bytes"] += slot.size
@@ -206,11 +209,13 @@ class PoolWorker:
             for ev in job.events.values():
                 ev.set()
             self.counters["load_seconds"] += time.perf_counter() - t0
-            if leased:
-                try:
+            try:
+                if leased:
                     self.backend.release(leased)
-                except BackendUnavailable:
-                    pass  # the pool drops our leases when their TTL ends
+                if corrupt:  # every layer's object of the chunk: a hit needs them all
+                    self.backend.remove(sorted({k for _, j, k in plan if j in corrupt}))
+            except BackendUnavailable:
+                pass  # the pool drops our leases when their TTL ends
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._waits += 1

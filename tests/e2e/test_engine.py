@@ -50,14 +50,19 @@ def test_producer_then_consumer(tmp_path, model, baseline, pool):
     assert_same_outputs(cons["rounds"][0], baseline)
 
 
-def test_corrupt_or_misplaced_objects_are_recomputed(tmp_path, model, baseline, pool):
-    """Flipped payload bytes (prompt 0) and objects swapped between keys (prompt 2)."""
+def test_corrupt_or_misplaced_objects_are_recomputed_then_republished(tmp_path, model, baseline, pool):
+    """Flipped payload bytes (prompt 0) and objects swapped between keys (prompt 2): round 2
+    detects them and recomputes; the worker removes every object of a rejected chunk, so
+    round 3 saves them again and round 4 hits everything."""
     between = [f"{TAMPER} flip {pool.socket} basic:0 && {TAMPER} swap {pool.socket} basic:2"]
-    r = run_engine(tmp_path, model, [prompts(), prompts()], kv_config(pool.socket), between=between)
-    assert_same_outputs(r["rounds"][0], baseline)
-    assert_same_outputs(r["rounds"][1], baseline)
-    assert r["worker"]["load_corrupt"] > 0 and r["worker"]["failed_blocks"] > 0
+    r = run_engine(tmp_path, model, [prompts()] * 4, kv_config(pool.socket), between=between)
+    for out in r["rounds"]:
+        assert_same_outputs(out, baseline)
+    assert r["per_round"][1]["worker"]["load_corrupt"] > 0
+    assert r["per_round"][1]["worker"]["failed_blocks"] > 0
     assert "checksum mismatch" in r["log"] and "stored for another key" in r["log"]
+    assert [o["num_cached_tokens"] for o in r["rounds"][3]] == [96, 128, 159]
+    assert r["worker"]["load_corrupt"] == r["per_round"][1]["worker"]["load_corrupt"]  # healed
 
 
 def test_pool_absent_requests_recompute(tmp_path, model, baseline):
