@@ -207,13 +207,16 @@ class StoreConfig:
     # Finish a step's saves at the start of the next step (vLLM's handle_preemptions,
     # before any block of that step is written) instead of at the end of this one.
     defer_save_drain: bool = True
+    # Hybrid models: run vLLM's align-mode state copy of a loading step after the state
+    # has landed (false runs it where vLLM does, before the load: for diagnosis only).
+    defer_state_copy: bool = True
     local: LocalPoolConfig = field(default_factory=LocalPoolConfig)
     mooncake: StoreServiceConfig = field(default_factory=StoreServiceConfig)
     memcache: StoreServiceConfig = field(default_factory=StoreServiceConfig)
     lookup_cache: LookupCacheConfig = field(default_factory=LookupCacheConfig)
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
-            "verify_checksum", "codec", "defer_save_drain", "local", "mooncake", "memcache",
+            "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "local", "mooncake", "memcache",
             "lookup_cache")
 
     @classmethod
@@ -235,6 +238,7 @@ class StoreConfig:
             verify_checksum=r.take("verify_checksum", True, bool),
             codec=_codec(r.choice("codec", "raw", CODECS)),
             defer_save_drain=r.take("defer_save_drain", True, bool),
+            defer_state_copy=r.take("defer_state_copy", True, bool),
             local=LocalPoolConfig.parse(r.raw.pop("local", None)),
             mooncake=StoreServiceConfig.parse("mooncake", r.raw.pop("mooncake", None),
                                               os.environ.get("MOONCAKE_CONFIG_PATH")

@@ -17,17 +17,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ascend_store.config import check_transfer_config
-from ascend_store.layers import check_supported
+from ascend_store.layers import group_kinds
 from ascend_store.stats import AscendStorePromMetrics, AscendStoreStats
 
 
 class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    is_ascend_store = True  # what seams.py's wrappers look for
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         cfg = check_transfer_config(ktc)
         if kv_cache_config is not None:
-            check_supported(kv_cache_config)
+            group_kinds(kv_cache_config)
         self.scheduler = self.worker = None
         if role == KVConnectorRole.SCHEDULER:
             from ascend_store.pool_scheduler import PoolScheduler
@@ -67,7 +69,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        self.worker.handle_preemptions()
+        self.worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self.worker.start_load_kv(self._get_connector_metadata())

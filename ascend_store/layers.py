@@ -6,19 +6,43 @@ from ascend_store.config import ConfigError
 from ascend_store.keys import layer_index
 
 
-def check_supported(kv_cache_config) -> None:
-    """Only full-attention KV is stored in this release: refuse anything else at start
-    instead of serving a hybrid model without its recurrent state (docs/hybrid.md)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+ATTN, STATE = "attn", "state"
 
+
+def group_kinds(kv_cache_config, cache_config=None) -> list[str]:
+    """Per KV cache group: ``attn`` (paged KV) or ``state`` (a linear-attention layer's
+    recurrent state in ``align`` mode). Anything else is refused at start with the reason
+    (docs/hybrid.md lists what is supported)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    kinds = []
+    block_sizes = set()
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        windowed = type(spec).__name__.startswith("Sliding") or getattr(spec, "sliding_window", None)
+        name = type(spec).__name__
+        block_sizes.add(spec.block_size)
+        if isinstance(spec, MambaSpec):
+            mode = getattr(spec, "mamba_cache_mode", None)
+            if mode != "align":
+                raise ConfigError(
+                    f"ascend-store: KV cache group {g} ({name}) uses mamba_cache_mode={mode!r}; the "
+                    "pool stores recurrent state only in 'align' mode (enable prefix caching and "
+                    "leave mamba_cache_mode at its default, see docs/hybrid.md)")
+            if getattr(spec, "num_speculative_blocks", 0):
+                raise ConfigError(f"ascend-store: KV cache group {g} ({name}) has speculative state "
+                                  "blocks; hybrid models with speculative decoding are not supported")
+            kinds.append(STATE)
+            continue
+        windowed = name.startswith("Sliding") or getattr(spec, "sliding_window", None)
         if not isinstance(spec, FullAttentionSpec) or windowed:
             raise ConfigError(
-                f"ascend-store: KV cache group {g} is {type(spec).__name__}; this release stores "
-                "full-attention KV only (hybrid and sliding-window models are not supported yet, "
-                "see docs/hybrid.md)")
+                f"ascend-store: KV cache group {g} is {name}; the pool stores full-attention KV "
+                "and align-mode linear-attention state only (sliding-window and other layer "
+                "types are not supported, see docs/hybrid.md)")
+        kinds.append(ATTN)
+    if len(block_sizes) > 1:
+        raise ConfigError(f"ascend-store: KV cache groups have different block sizes {sorted(block_sizes)}")
+    return kinds
 
 
 def layer_ids(kv_cache_config) -> dict[str, tuple[int, int]]:

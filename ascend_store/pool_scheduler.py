@@ -6,6 +6,10 @@ leading chunks it holds for every layer and TP shard (one batched call), and pla
   scheduled;
 - saves: each full prompt chunk in the step that finishes computing it, unless the
   pool already had it.
+Hybrid models (docs/hybrid.md): a hit also needs every linear-attention layer's state
+at the hit's last chunk boundary; that state is saved when a step ends on a chunk
+boundary (vLLM's align mode keeps the state only there) and loaded into the block vLLM
+reads the state of a hit from.
 Saves complete inside the step (``wait_for_save``), so finished requests free their
 blocks at once.
 """
@@ -16,11 +20,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from ascend_store import seams
 from ascend_store.backends import BackendUnavailable, create_backend
 from ascend_store.config import StoreConfig
 from ascend_store.hit_cache import BlockHitCache
 from ascend_store.keys import KeySpace, chunk_hashes, identity_from_vllm
-from ascend_store.layers import layer_ids
+from ascend_store.layers import ATTN, STATE, group_kinds, layer_ids
 from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
 from ascend_store.stats import AscendStoreStats, IntervalCounters
 
@@ -43,8 +48,9 @@ def is_compacted(request) -> bool:
 class _Request:
     request: object  # vLLM's Request, for flags that may change while it runs
     hashes: list[str]
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_chunks: int = 0  # chunks [0, saved_chunks) need no save from this request
+    pool_hit: int = 0  # chunks the pool served at the last lookup (hybrid: state at its end)
     local_tokens: int = 0  # vLLM's own device-cache hit at the last lookup
     pending_load: list[ChunkLoad] = field(default_factory=list)
 
@@ -60,7 +66,12 @@ class PoolScheduler:
         identity = identity_from_vllm(vllm_config, self.chunk, cfg.codec)
         tp = identity.tp_size
         self.keyspaces = [KeySpace(identity.namespace(), r, tp) for r in range(tp)]
-        self.layers = sorted(set(layer_ids(kv_cache_config).values()))
+        self.kinds = group_kinds(kv_cache_config)
+        layers = sorted(set(layer_ids(kv_cache_config).values()))
+        self.attn_layers = [(g, i) for g, i in layers if self.kinds[g] == ATTN]
+        self.state_layers = [(g, i) for g, i in layers if self.kinds[g] == STATE]
+        if len(self.kinds) > 1:  # vLLM cannot map block-level load failures itself
+            seams.install_failed_load_preemption()
         self.backend = create_backend(cfg, role="scheduler") if self.can_load else None
         lc = cfg.lookup_cache
         self.hit_cache = BlockHitCache(lc.ttl_s, lc.max_entries) if lc.enabled and self.can_load else None
@@ -68,37 +79,55 @@ class PoolScheduler:
         self.counters = IntervalCounters()
 
     # -- lookup ---------------------------------------------------------------
-    def _pool_hit_chunks(self, hashes: list[str], start: int) -> int:
-        """Number of leading chunks (from 0) the pool holds, checking from ``start``.
+    def _pool_hit_chunks(self, hashes: list[str], start: int, limit: int) -> int:
+        """Number of leading chunks (from 0, at most ``limit``) the pool can serve, checking
+        from ``start``: every attention layer holds chunks 0..c-1 and, for hybrid models,
+        every state layer holds the state at the end of chunk c-1.
 
-        Cached answers are used first: a cached miss ends the prefix with no call at all;
-        the uncached rest goes to the pool in one batch and every answer is cached."""
+        Cached answers are used first (a cached attention miss ends the prefix, so nothing
+        past it is asked); the rest goes to the pool in one batch and is cached."""
         self.counters["lookups"] += 1
         cache = self.hit_cache
-        i = start
+        tags = [("", self.attn_layers)] + ([("state/", self.state_layers)] if self.state_layers else [])
+        known: dict[tuple[str, int], bool] = {}
+        end = len(hashes)
         if cache is not None:
             cache.observe(self.backend.generation())
-            while i < len(hashes) and (hit := cache.get(hashes[i])) is not None:
-                if not hit:
-                    return i
-                i += 1
-        if i >= len(hashes):
-            return i
-        keys = [ks.key(g, layer, h) for h in hashes[i:] for ks in self.keyspaces
-                for g, layer in self.layers]
-        self.counters["lookup_rpcs"] += 1
-        try:
-            found = self.backend.exists(keys)
-        except BackendUnavailable:
-            self.counters["lookup_errors"] += 1
-            return i
-        per_chunk = len(self.keyspaces) * len(self.layers)
-        hits = [all(found[j * per_chunk:(j + 1) * per_chunk]) for j in range(len(hashes) - i)]
-        if cache is not None:
-            cache.observe(self.backend.generation())
-            for h, hit in zip(hashes[i:], hits):
-                cache.put(h, hit)
-        return i + (hits.index(False) if False in hits else len(hits))
+            for c in range(start, end):
+                for tag, _ in tags:
+                    hit = cache.get(tag + hashes[c])
+                    if hit is not None:
+                        known[(tag, c)] = hit
+                if known.get(("", c)) is False:
+                    end = c
+                    break
+        ask = [(tag, c) for c in range(start, end) for tag, _ in tags if (tag, c) not in known]
+        if ask:
+            layers_of = dict(tags)
+            keys = [ks.key(g, layer, hashes[c]) for tag, c in ask for ks in self.keyspaces
+                    for g, layer in layers_of[tag]]
+            self.counters["lookup_rpcs"] += 1
+            try:
+                found = self.backend.exists(keys)
+            except BackendUnavailable:
+                self.counters["lookup_errors"] += 1
+                return start
+            i = 0
+            for tag, c in ask:
+                n = len(self.keyspaces) * len(layers_of[tag])
+                known[(tag, c)] = all(found[i:i + n])
+                i += n
+            if cache is not None:
+                cache.observe(self.backend.generation())
+                for (tag, c) in ask:
+                    cache.put(tag + hashes[c], known[(tag, c)])
+        prefix = start
+        while prefix < end and known[("", prefix)]:
+            prefix += 1
+        prefix = min(prefix, limit)
+        if not self.state_layers:
+            return max(prefix, start)
+        return next((c + 1 for c in range(prefix - 1, start - 1, -1) if known[("state/", c)]), start)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = request.prompt_token_ids or []
@@ -112,10 +141,13 @@ class PoolScheduler:
         if not self.can_load:
             return 0, False
         t0 = time.perf_counter()
-        hit = self._pool_hit_chunks(state.hashes, start)
+        # vLLM computes at least the last prompt token itself; a hybrid hit must also end
+        # on a chunk boundary, where the pool holds the state.
+        limit = (len(prompt) - 1) // self.chunk if self.state_layers else len(state.hashes)
+        hit = self._pool_hit_chunks(state.hashes, start, limit)
         self.counters["lookup_seconds"] += time.perf_counter() - t0
         state.saved_chunks = max(state.saved_chunks, hit)
-        # vLLM must compute at least the last prompt token itself.
+        state.pool_hit = hit
         hit_tokens = min(hit * self.chunk, len(prompt) - 1)
         self.counters["queried_tokens"] += len(prompt)
         if hit_tokens <= num_computed_tokens:
@@ -127,15 +159,21 @@ class PoolScheduler:
         state = self._reqs.get(request.request_id)
         if state is None or num_external_tokens == 0:
             return
-        block_ids = blocks.get_block_ids()[0]
+        groups = blocks.get_block_ids()
         local = state.local_tokens
         end = local + num_external_tokens
         first_block = local // self.block_size
         bpc = self.blocks_per_chunk
-        for c in range(local // self.chunk, -(-end // self.chunk)):
-            lo = max(c * bpc, first_block)
-            state.pending_load.append(ChunkLoad(request.request_id, 0, state.hashes[c],
-                                                block_ids[lo:(c + 1) * bpc], skip=lo - c * bpc))
+        rid = request.request_id
+        for g, kind in enumerate(self.kinds):
+            if kind == STATE:  # vLLM reads a hit's state from the block of its last token
+                state.pending_load.append(ChunkLoad(rid, g, state.hashes[end // self.chunk - 1],
+                                                    [groups[g][(end - 1) // self.block_size]]))
+                continue
+            for c in range(local // self.chunk, -(-end // self.chunk)):
+                lo = max(c * bpc, first_block)
+                state.pending_load.append(ChunkLoad(rid, g, state.hashes[c],
+                                                    groups[g][lo:(c + 1) * bpc], skip=lo - c * bpc))
 
     # -- per step -------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
@@ -144,7 +182,7 @@ class PoolScheduler:
             state = self._reqs.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(ids) for ids in new.block_ids]
             meta.loads.extend(state.pending_load)
             state.pending_load = []
             self._plan_saves(new.req_id, state, new.num_computed_tokens
@@ -156,11 +194,14 @@ class PoolScheduler:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_blocks[0]) if new_blocks else []
+                state.block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
                 meta.loads.extend(state.pending_load)
                 state.pending_load = []
             elif new_blocks:
-                state.block_ids.extend(new_blocks[0])
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_blocks]
+                for ids, more in zip(state.block_ids, new_blocks):
+                    ids.extend(more)
             self._plan_saves(req_id, state, cached.num_computed_tokens[i]
                              + scheduler_output.num_scheduled_tokens[req_id], meta)
         return meta
@@ -174,17 +215,28 @@ class PoolScheduler:
             return
         done = min(len(state.hashes), computed_after_step // self.chunk)
         bpc = self.blocks_per_chunk
-        for c in range(state.saved_chunks, done):
-            meta.saves.append(ChunkSave(req_id, 0, state.hashes[c],
-                                        state.block_ids[c * bpc:(c + 1) * bpc]))
+        saved = []
+        for g, kind in enumerate(self.kinds):
+            if kind == ATTN:
+                for c in range(state.saved_chunks, done):
+                    meta.saves.append(ChunkSave(req_id, g, state.hashes[c],
+                                                state.block_ids[g][c * bpc:(c + 1) * bpc]))
+            elif computed_after_step == done * self.chunk and done > state.pool_hit:
+                # The step ends on a chunk boundary: its block holds the state there.
+                block = state.block_ids[g][(computed_after_step - 1) // self.block_size]
+                if block:  # 0 is vLLM's null block: no state kept there
+                    meta.saves.append(ChunkSave(req_id, g, state.hashes[done - 1], [block]))
+                    saved.append("state/" + state.hashes[done - 1])
         if self.hit_cache is not None:  # a cached miss must not hide what we now save
-            self.hit_cache.invalidate(state.hashes[state.saved_chunks:done])
+            self.hit_cache.invalidate(state.hashes[state.saved_chunks:done] + saved)
         state.saved_chunks = max(state.saved_chunks, done)
+        if saved:
+            state.pool_hit = done
 
     def update_connector_output(self, connector_output) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, WorkerReport) and self.hit_cache is not None:
-            self.hit_cache.invalidate(report.failed_chunks)
+            self.hit_cache.invalidate(report.failed_chunks + ["state/" + h for h in report.failed_chunks])
 
     def request_finished(self, request) -> tuple[bool, None]:
         self._reqs.pop(request.request_id, None)

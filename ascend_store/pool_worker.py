@@ -29,10 +29,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from ascend_store.backends import BackendUnavailable, Status, create_backend
+from ascend_store import seams
 from ascend_store.codecs import get_codec
 from ascend_store.config import StoreConfig
+from ascend_store.hybrid import DeferredStateCopies, state_layout
 from ascend_store.keys import KeySpace, identity_from_vllm
-from ascend_store.layers import layer_ids
+from ascend_store.layers import STATE, group_kinds, layer_ids
 from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
 from ascend_store.stats import AscendStoreStats, IntervalCounters
 from ascend_store.transfer import (
@@ -88,6 +90,7 @@ class _SaveJob:
 class PoolWorker:
     def __init__(self, vllm_config, kv_cache_config, cfg: StoreConfig, kv_role: str):
         self.cfg = cfg
+        self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
         self.blocks_per_chunk = cfg.chunk_tokens(self.block_size) // self.block_size
         identity = identity_from_vllm(vllm_config, self.blocks_per_chunk * self.block_size, cfg.codec)
@@ -95,6 +98,14 @@ class PoolWorker:
         self.kv_specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
         self.keyspace = KeySpace(identity.namespace(), _tp_rank(), identity.tp_size)
         self.layer_ids = layer_ids(kv_cache_config)
+        kinds = group_kinds(kv_cache_config)
+        # Linear-attention layers: one state object per chunk boundary, always raw bytes.
+        self.state_layers = {n for n, (g, _) in self.layer_ids.items() if kinds[g] == STATE}
+        self.codecs = {n: get_codec("raw") if n in self.state_layers else self.codec for n in self.layer_ids}
+        self.state_copies: DeferredStateCopies | None = None
+        self._step_loads = False
+        self._waited: set[str] = set()
+        self.load_step_layers: deque[int] = deque(maxlen=4096)  # layers that waited, per loading step
         self.num_blocks = kv_cache_config.num_blocks
         self.backend = create_backend(cfg, role="worker")
         self.layouts: dict[str, LayerLayout] = {}
@@ -115,9 +126,15 @@ class PoolWorker:
 
     # -- setup ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        states = {}
         for name, tensor in kv_caches.items():
             if name not in self.layer_ids:
                 raise ValueError(f"KV cache layer {name!r} is not in the KV cache config")
+            if name in self.state_layers:
+                views = list(tensor) if isinstance(tensor, (list, tuple)) else seams.state_views(self.vllm_config, name)
+                self.layouts[name] = state_layout(views, self.num_blocks)
+                states[name] = self.layouts[name]
+                continue
             spec = self.kv_specs[self.layer_ids[name][0]]
             dims = tuple(getattr(spec, a, None) for a in ("num_kv_heads", "block_size", "head_size"))
             layout = LayerLayout.of(tensor, self.num_blocks, dims if None not in dims else None)
@@ -128,10 +145,41 @@ class PoolWorker:
                                  f"{exc}") from None
             self.layouts[name] = layout
         self.order = [n for n in self.layer_ids if n in self.layouts]
-        first = self.layouts[self.order[0]]
-        log.info("ascend-store: %d layers, page %s (%d bytes), %d blocks per object, keys %s",
-                 len(self.order), first.describe(), first.page_bytes, self.blocks_per_chunk,
-                 self.keyspace.namespace)
+        first = self.layouts[next(n for n in self.order if n not in self.state_layers)]
+        log.info("ascend-store: %d layers (%d with recurrent state), page %s (%d bytes), %d blocks "
+                 "per object, keys %s", len(self.order), len(states), first.describe(),
+                 first.page_bytes, self.blocks_per_chunk, self.keyspace.namespace)
+        if states:
+            self._install_hybrid(states)
+
+    def _install_hybrid(self, states: dict[str, LayerLayout]) -> None:
+        """Make linear-attention layers drive the layer protocol and defer the runner's
+        align-mode state copy (seams.py); refuse to start if this vLLM lacks a seam."""
+        ops = seams.install_state_ops()
+        if not ops:
+            raise seams.SeamError("no linear-attention op of this vLLM could be hooked; the pool "
+                                  "cannot serve this hybrid model (docs/hybrid.md)")
+        self.state_copies = DeferredStateCopies(states)
+        seams.install_state_copy(self._take_state_copies)
+        log.info("ascend-store: hybrid model, layer protocol on ops %s", ", ".join(ops))
+
+    def _take_state_copies(self, copy_bufs) -> bool:
+        """The runner's align-mode copies of this step: ours to run after the loads when
+        this step loads, vLLM's to run now otherwise."""
+        if not (self._step_loads and self.cfg.defer_state_copy and copy_bufs.offset):
+            return False
+        self.state_copies.take(*seams.copy_plan(copy_bufs))
+        self.counters["deferred_state_copies"] += copy_bufs.offset
+        return True
+
+    def _run_state_copies(self, layer: str | None = None) -> None:
+        copies = self.state_copies
+        if copies is None or not copies.pending:
+            return
+        if layer is None:
+            copies.run_all()
+            return
+        copies.run(layer)
 
     def _key(self, layer: str, group: int, chunk_hash: str) -> str:
         return self.keyspace.key(group, self.layer_ids[layer][1], chunk_hash)
@@ -143,8 +191,10 @@ class PoolWorker:
         return self._arena[1]
 
     # -- loads ----------------------------------------------------------------
-    def handle_preemptions(self) -> None:
+    def handle_preemptions(self, meta: StepMetadata | None = None) -> None:
         self._drain_saves()
+        # vLLM queues the hybrid state copy after this call and before start_load_kv.
+        self._step_loads = bool(meta is not None and getattr(meta, "loads", None))
 
     def start_load_kv(self, meta: StepMetadata) -> None:
         self._drain_saves()
@@ -155,6 +205,7 @@ class PoolWorker:
         job.future = self._load_thread.submit(self._run_load, job)
         if not self.cfg.use_layerwise:
             self._finish_load(job)
+            self._run_state_copies()
 
     def _run_load(self, job: _LoadJob) -> None:
         leased: list[str] = []
@@ -188,9 +239,11 @@ class PoolWorker:
                         continue
                     ld = job.loads[j]
                     try:
+                        if 0 in ld.block_ids:  # vLLM's null block: nowhere to load to
+                            raise CorruptObject(f"{key}: no block allocated for it")
                         read_object(arena[slot.offset:slot.offset + slot.size], self.layouts[name],
-                                    ld.block_ids, ld.skip, key, self.blocks_per_chunk,
-                                    self.cfg.verify_checksum, self.codec)
+                                    ld.block_ids, ld.skip, key, self._object_blocks(name),
+                                    self.cfg.verify_checksum, self.codecs[name])
                     except CorruptObject as exc:
                         self.counters["load_corrupt"] += 1
                         log.warning("KV pool object rejected, recomputing: %s", exc)
@@ -219,12 +272,15 @@ class PoolWorker:
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._waits += 1
+        self._waited.add(layer_name)
         job = self._load
         if job is None or not self.cfg.use_layerwise:
             return
         ev = job.events.get(layer_name)
         if ev is not None and not ev.wait(self.cfg.load_timeout_s):
             self._abandon(job, f"layer {layer_name} not loaded within {self.cfg.load_timeout_s}s")
+        if layer_name in self.state_layers:
+            self._run_state_copies(layer_name)
 
     def _abandon(self, job: _LoadJob, why: str) -> None:
         log.warning("KV pool load abandoned (%s); recomputing", why)
@@ -278,15 +334,19 @@ class PoolWorker:
             for entry in plan:
                 first.setdefault(entry[2], entry)
             job.plan = list(first.values())
-            if self.codec.fixed_size:  # one reserve for the whole step
-                self._reserve(job, job.plan, [self._object_bytes(n) for n, _, _ in job.plan])
+            fixed = [e for e in job.plan if self.codecs[e[0]].fixed_size]
+            if fixed:  # one reserve for the whole step; variable sizes reserve per layer
+                self._reserve(job, fixed, [self._object_bytes(n) for n, _, _ in fixed])
         except Exception as exc:
             if not isinstance(exc, BackendUnavailable):
                 log.exception("KV pool reserve failed; not saving this step")
             self.counters["save_errors"] += 1
 
+    def _object_blocks(self, name: str) -> int:
+        return 1 if name in self.state_layers else self.blocks_per_chunk
+
     def _object_bytes(self, name: str) -> int:
-        return object_bytes(self.layouts[name], self.blocks_per_chunk, self.codec)
+        return object_bytes(self.layouts[name], self._object_blocks(name), self.codecs[name])
 
     def _reserve(self, job: _SaveJob, plan: list, sizes: list[int]) -> None:
         for (name, j, key), slot in zip(plan, self.backend.reserve([k for _, _, k in plan], sizes)):
@@ -299,11 +359,12 @@ class PoolWorker:
         t0 = time.perf_counter()
         arena = self._arena_tensor()
         layout = self.layouts[name]
+        codec = self.codecs[name]
         encoded = {}
-        if not self.codec.fixed_size and not job.cancelled:
+        if not codec.fixed_size and not job.cancelled:
             # Sizes are known only after encoding: reserve this layer's objects now.
             mine = [e for e in job.plan if e[0] == name]
-            encoded = {e[2]: self.codec.encode_bytes(layout, job.saves[e[1]].block_ids) for e in mine}
+            encoded = {e[2]: codec.encode_bytes(layout, job.saves[e[1]].block_ids) for e in mine}
             try:
                 self._reserve(job, mine, [HEADER_BYTES + len(encoded[k]) for _, _, k in mine])
             except BackendUnavailable:
@@ -317,9 +378,9 @@ class PoolWorker:
             try:
                 if key in encoded:
                     obj[HEADER_BYTES:].copy_(torch.frombuffer(bytearray(encoded[key]), dtype=torch.uint8))
-                    seal(obj, size - HEADER_BYTES, layout, key, self.codec, self.cfg.verify_checksum)
+                    seal(obj, size - HEADER_BYTES, layout, key, codec, self.cfg.verify_checksum)
                 else:
-                    write_object(obj, layout, sv.block_ids, key, self.cfg.verify_checksum, self.codec)
+                    write_object(obj, layout, sv.block_ids, key, self.cfg.verify_checksum, codec)
                 self.counters["saved_raw_bytes"] += len(sv.block_ids) * layout.page_bytes
             except Exception:
                 log.exception("KV pool save of %s failed", key)
@@ -328,9 +389,17 @@ class PoolWorker:
 
     def wait_for_save(self, meta: StepMetadata | None) -> None:
         self._drain_saves()
+        if self.state_copies is not None and self.state_copies.pending:
+            # A state layer never waited for its load: its kernel read the state before
+            # the copy, so this step's tokens are wrong. A vLLM seam moved: stop loudly.
+            raise seams.SeamError("ascend-store: deferred state copies of layers "
+                                  f"{self.state_copies.outstanding()} never ran (docs/hybrid.md)")
         if self._waits or self._saves:
             self.step_hooks.append((self._waits, self._saves))
+        if self._step_loads:
+            self.load_step_layers.append(len(self._waited))
         self._waits = self._saves = 0
+        self._waited = set()
         rpcs = self.backend.rpcs
         self.counters["max_rpcs_per_step"] = max(self.counters["max_rpcs_per_step"], rpcs - self._rpcs_seen)
         self._rpcs_seen = rpcs

@@ -54,5 +54,46 @@ def build_llama(name: str = "llama-tiny", layers: int = 4, hidden: int = 128, he
     return out_dir
 
 
+HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+def build_hybrid(kind: str) -> str:
+    """Build (once) a tiny random bf16 hybrid model (GDN head dim 64: the smallest the CPU
+    kernel takes): ``qwen3_next`` (Qwen3-Next) or ``qwen3_5``
+    (Qwen3.5 text): Gated-DeltaNet and full-attention layers alternating."""
+    out_dir = os.path.abspath(os.path.join(ROOT, f"{kind}-tiny"))
+    if os.path.exists(os.path.join(out_dir, "done")):
+        return out_dir
+    import torch
+
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=64, layer_types=HYBRID_LAYERS,
+                  linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                  linear_num_key_heads=2, linear_num_value_heads=2, max_position_embeddings=4096,
+                  initializer_range=0.15, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    if kind == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        # vLLM's Qwen3-Next needs its sparse MoE blocks: four small experts.
+        cfg = Qwen3NextConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                              shared_expert_intermediate_size=64, torch_dtype="bfloat16")
+        model_cls = Qwen3NextForCausalLM
+    elif kind == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        cfg = Qwen3_5TextConfig(**common, torch_dtype="bfloat16")
+        cfg.architectures = ["Qwen3_5ForCausalLM"]
+        model_cls = Qwen3_5ForCausalLM
+    else:
+        raise ValueError(kind)
+    os.makedirs(out_dir, exist_ok=True)
+    _tokenizer(out_dir, 512)
+    torch.manual_seed(0)
+    model_cls(cfg).to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    with open(os.path.join(out_dir, "done"), "w") as f:
+        json.dump({"layers": HYBRID_LAYERS}, f)
+    return out_dir
+
+
 if __name__ == "__main__":
     print(build_llama())

@@ -46,7 +46,7 @@ def main(job_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     job = json.load(open(job_path))
-    kwargs = dict(model=job["model"], dtype="float32", block_size=job.get("block_size", 32),
+    kwargs = dict(model=job["model"], dtype=job.get("dtype", "float32"), block_size=job.get("block_size", 32),
                   enable_prefix_caching=job.get("prefix_caching", False), max_model_len=2048,
                   max_num_seqs=8, distributed_executor_backend="uni", enforce_eager=True, seed=0)
     kwargs.update(job.get("engine_args", {}))
@@ -86,6 +86,7 @@ def main(job_path: str) -> None:
         result["worker"] = dict(worker.counters.total)
         result["step_hooks"] = list(worker.step_hooks)
         result["layers"] = len(worker.order)
+        result["load_step_layers"] = list(worker.load_step_layers)
     if scheduler is not None:
         result["scheduler"] = dict(scheduler.counters.total)
         result["scheduler_requests"] = len(scheduler._reqs)

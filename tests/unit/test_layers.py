@@ -1,4 +1,4 @@
-"""Which KV cache groups the connector accepts."""
+"""Which KV cache groups the connector accepts, and how it classifies them."""
 
 from __future__ import annotations
 
@@ -7,20 +7,45 @@ from types import SimpleNamespace
 import pytest
 
 
-def test_only_full_attention_groups_are_accepted():
-    """Hybrid (Mamba/GDN) and sliding-window groups stop the engine at start, by name."""
+def _group(spec):
+    return SimpleNamespace(kv_cache_spec=spec, layer_names=["model.layers.0.attn"])
+
+
+def test_full_attention_and_align_mode_state_groups_are_accepted():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from ascend_store.layers import ATTN, STATE, group_kinds
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,), mamba_cache_mode="align")
+    assert group_kinds(SimpleNamespace(kv_cache_groups=[_group(full)])) == [ATTN]
+    assert group_kinds(SimpleNamespace(kv_cache_groups=[_group(mamba), _group(full)])) == [STATE, ATTN]
+
+
+def test_unsupported_groups_stop_the_engine_by_name():
+    """Sliding windows, state outside align mode, speculative state blocks and mixed block
+    sizes fail at start with the reason and docs/hybrid.md."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     from ascend_store.config import ConfigError
-    from ascend_store.layers import check_supported
+    from ascend_store.layers import group_kinds
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    group = lambda spec: SimpleNamespace(kv_cache_spec=spec, layer_names=["model.layers.0.attn"])  # noqa: E731
-    check_supported(SimpleNamespace(kv_cache_groups=[group(full)]))
-    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,))
     swa = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
                             sliding_window=128)
-    for bad, name in ((mamba, "MambaSpec"), (swa, "SlidingWindowSpec")):
-        with pytest.raises(ConfigError, match=f"group 1 is {name}.*docs/hybrid.md"):
-            check_supported(SimpleNamespace(kv_cache_groups=[group(full), group(bad)]))
+    cases = [
+        (swa, "group 1 is SlidingWindowSpec.*docs/hybrid.md"),
+        (MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,), mamba_cache_mode="none"),
+         "mamba_cache_mode='none'.*docs/hybrid.md"),
+        (MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,), mamba_cache_mode="all"),
+         "mamba_cache_mode='all'"),
+        (MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,), mamba_cache_mode="align",
+                   num_speculative_blocks=1), "speculative"),
+        (MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.bfloat16,), mamba_cache_mode="align"),
+         "different block sizes"),
+    ]
+    for bad, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            group_kinds(SimpleNamespace(kv_cache_groups=[_group(full), _group(bad)]))

@@ -402,12 +402,14 @@ def test_dotted_key_is_an_opaque_key(pool, client, raw):
     # KEY_RE admits '.' and '/' (keys are "ns/g0/tp0of1/L3/<hash>"), so "../x" is a valid
     # key. The local pool never turns keys into paths, so it is stored like any other.
     before = client.stats()["rejected"]
+    outside = os.path.join(os.path.dirname(pool.socket), "..", "x")
+    existed = os.path.exists(outside)
     reply = _rpc(raw, protocol.pack({"op": "exists", "keys": ["../x"]}), b"dots")
     assert reply["ok"] is True and reply["found"] == [False]
     _put(client, "../x", b"dots")
     assert _get(client, "../x") == b"dots"
     assert client.stats()["rejected"] == before
-    assert not os.path.exists(os.path.join(os.path.dirname(pool.socket), "..", "x"))
+    assert os.path.exists(outside) == existed
 
 
 def test_key_with_trailing_newline_is_rejected(pool, raw):
