@@ -5,7 +5,6 @@ from __future__ import annotations
 from ascend_store.config import ConfigError
 from ascend_store.keys import layer_index
 
-
 ATTN, STATE = "attn", "state"
 
 

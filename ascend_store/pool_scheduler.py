@@ -136,7 +136,9 @@ class PoolScheduler:
             state = self._reqs[request.request_id] = _Request(request, chunk_hashes(prompt, self.chunk))
         state.local_tokens = num_computed_tokens
         start = num_computed_tokens // self.chunk
-        state.saved_chunks = max(state.saved_chunks, start)
+        # Asked again after a preemption: what the pool holds now decides what to save
+        # (a failed load removed its objects, so the recompute republishes them).
+        state.saved_chunks = start
         state.pending_load = []
         if not self.can_load:
             return 0, False
@@ -146,7 +148,7 @@ class PoolScheduler:
         limit = (len(prompt) - 1) // self.chunk if self.state_layers else len(state.hashes)
         hit = self._pool_hit_chunks(state.hashes, start, limit)
         self.counters["lookup_seconds"] += time.perf_counter() - t0
-        state.saved_chunks = max(state.saved_chunks, hit)
+        state.saved_chunks = max(start, hit)
         state.pool_hit = hit
         hit_tokens = min(hit * self.chunk, len(prompt) - 1)
         self.counters["queried_tokens"] += len(prompt)

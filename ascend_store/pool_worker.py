@@ -28,8 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from ascend_store.backends import BackendUnavailable, Status, create_backend
 from ascend_store import seams
+from ascend_store.backends import BackendUnavailable, Status, create_backend
 from ascend_store.codecs import get_codec
 from ascend_store.config import StoreConfig
 from ascend_store.hybrid import DeferredStateCopies, state_layout
@@ -131,7 +131,8 @@ class PoolWorker:
             if name not in self.layer_ids:
                 raise ValueError(f"KV cache layer {name!r} is not in the KV cache config")
             if name in self.state_layers:
-                views = list(tensor) if isinstance(tensor, (list, tuple)) else seams.state_views(self.vllm_config, name)
+                views = (list(tensor) if isinstance(tensor, (list, tuple))
+                         else seams.state_views(self.vllm_config, name))
                 self.layouts[name] = state_layout(views, self.num_blocks)
                 states[name] = self.layouts[name]
                 continue

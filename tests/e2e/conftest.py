@@ -40,7 +40,20 @@ def shared_prefix_prompts(n: int = 40) -> list[list[int]]:
     return [shared + [rng.randrange(2, 500) for _ in range(BLOCK + 3)] for _ in range(n)]
 
 
-PROMPT_SETS = {"basic": prompts, "shared": shared_prefix_prompts}
+HYBRID_BLOCK = 128  # what vLLM picks for the tiny hybrid models (page size of their state)
+
+
+def hybrid_prompts() -> list[list[int]]:
+    """For the hybrid models: 300 tokens; 356 sharing its first two blocks; 200 tokens."""
+    rng = random.Random(3)
+    p0 = [rng.randrange(2, 500) for _ in range(300)]
+    p1 = p0[: 2 * HYBRID_BLOCK] + [rng.randrange(2, 500) for _ in range(100)]
+    p2 = [rng.randrange(2, 500) for _ in range(200)]
+    return [p0, p1, p2]
+
+
+PROMPT_SETS = {"basic": prompts, "shared": shared_prefix_prompts, "hybrid": hybrid_prompts}
+CHUNK_OF_SET = {"hybrid": HYBRID_BLOCK}  # pool chunk tokens, when not BLOCK
 
 
 def kv_config(socket: str, role: str = "kv_both", **extra) -> dict:

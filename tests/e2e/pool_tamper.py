@@ -3,6 +3,7 @@
     python tests/e2e/pool_tamper.py flip SOCKET SET:INDEX     # flip a payload byte
     python tests/e2e/pool_tamper.py swap SOCKET SET:INDEX     # swap layer 0 and 1 objects
     python tests/e2e/pool_tamper.py remove SOCKET SET:INDEX   # delete the prompt's objects
+    (flip and remove take an optional last argument: the layers to touch, e.g. L0,L2)
     python tests/e2e/pool_tamper.py kill SOCKET               # SIGKILL the pool
     python tests/e2e/pool_tamper.py restart SOCKET            # SIGKILL it, start a new one
 SET is a prompt set of tests/e2e/conftest.py (PROMPT_SETS), INDEX a prompt in it.
@@ -21,10 +22,10 @@ from ascend_store.backends.local.launcher import ping
 from ascend_store.config import LocalPoolConfig
 from ascend_store.keys import chunk_hashes
 from ascend_store.transfer import HEADER_BYTES
-from tests.e2e.conftest import BLOCK, PROMPT_SETS
+from tests.e2e.conftest import BLOCK, CHUNK_OF_SET, PROMPT_SETS
 
 
-def main(op: str, socket: str, prompt: str = "basic:0") -> None:
+def main(op: str, socket: str, prompt: str = "basic:0", layers: str = "") -> None:
     client = LocalBackend(LocalPoolConfig(socket=socket, start="never"), timeout_s=2.0)
     if op in ("kill", "restart"):
         old = client.stats()
@@ -40,8 +41,10 @@ def main(op: str, socket: str, prompt: str = "basic:0") -> None:
                 time.sleep(0.05)
         return
     name, index = prompt.split(":")
-    hashes = set(chunk_hashes(PROMPT_SETS[name]()[int(index)], BLOCK))
-    keys = sorted(k for k, _, ready, _ in client.list() if ready and k.rsplit("/", 1)[1] in hashes)
+    hashes = set(chunk_hashes(PROMPT_SETS[name]()[int(index)], CHUNK_OF_SET.get(name, BLOCK)))
+    wanted = set(layers.split(",")) if layers else None
+    keys = sorted(k for k, _, ready, _ in client.list() if ready and k.rsplit("/", 1)[1] in hashes
+                  and (wanted is None or k.split("/")[-2] in wanted))
     if op == "remove":  # idempotent: nothing stored is fine
         print(f"remove: {client.remove(keys)}")
         return
