@@ -210,14 +210,18 @@ class StoreConfig:
     # Hybrid models: run vLLM's align-mode state copy of a loading step after the state
     # has landed (false runs it where vLLM does, before the load: for diagnosis only).
     defer_state_copy: bool = True
+    # How a layer's blocks move: "batched" (one copy per layer into the pool's pinned
+    # memory, device_path.py), "per_block" (a copy per block page), "auto" (batched on an
+    # accelerator, per block on CPU).
+    copy_path: str = "auto"
     local: LocalPoolConfig = field(default_factory=LocalPoolConfig)
     mooncake: StoreServiceConfig = field(default_factory=StoreServiceConfig)
     memcache: StoreServiceConfig = field(default_factory=StoreServiceConfig)
     lookup_cache: LookupCacheConfig = field(default_factory=LookupCacheConfig)
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
-            "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "local", "mooncake",
-            "memcache",
+            "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "local",
+            "mooncake", "memcache",
             "lookup_cache")
 
     @classmethod
@@ -240,6 +244,7 @@ class StoreConfig:
             codec=_codec(r.choice("codec", "raw", CODECS)),
             defer_save_drain=r.take("defer_save_drain", True, bool),
             defer_state_copy=r.take("defer_state_copy", True, bool),
+            copy_path=r.choice("copy_path", "auto", ("auto", "batched", "per_block")),
             local=LocalPoolConfig.parse(r.raw.pop("local", None)),
             mooncake=StoreServiceConfig.parse("mooncake", r.raw.pop("mooncake", None),
                                               os.environ.get("MOONCAKE_CONFIG_PATH")
@@ -248,6 +253,9 @@ class StoreConfig:
             lookup_cache=LookupCacheConfig.parse(r.raw.pop("lookup_cache", None)),
         )
         r.finish(cls.KEYS)
+        if cfg.copy_path == "batched" and cfg.codec != "raw":
+            raise ConfigError(f"copy_path: 'batched' moves raw bytes; codec {cfg.codec!r} needs 'per_block' "
+                              "or 'auto'")
         return cfg
 
     def chunk_tokens(self, block_size: int) -> int:

@@ -32,6 +32,7 @@ from ascend_store import seams
 from ascend_store.backends import BackendUnavailable, Status, create_backend
 from ascend_store.codecs import get_codec
 from ascend_store.config import StoreConfig
+from ascend_store.device_path import DevicePath, LayerObjects
 from ascend_store.hybrid import DeferredStateCopies, state_layout
 from ascend_store.keys import KeySpace, identity_from_vllm
 from ascend_store.layers import STATE, group_kinds, layer_ids
@@ -41,6 +42,7 @@ from ascend_store.transfer import (
     HEADER_BYTES,
     CorruptObject,
     LayerLayout,
+    check_header,
     object_bytes,
     read_object,
     seal,
@@ -72,6 +74,7 @@ class _LoadJob:
     def __init__(self, loads: list[ChunkLoad], layers: list[str]):
         self.loads = loads
         self.events = {name: threading.Event() for name in layers}
+        self.device_events: dict[str, object] = {}  # layer -> its copy's event (accelerators)
         self.failed: set[int] = set()  # indexes into loads
         self.cancelled = False
         self.future: Future | None = None
@@ -84,6 +87,7 @@ class _SaveJob:
         self.slots: dict[tuple[str, int], tuple[str, int, int]] = {}  # (layer, j) -> key, off, size
         self.failed: set[str] = set()
         self.futures: list[Future] = []
+        self.device_saves: list = []  # (queued copy, layer) to seal at commit (accelerators)
         self.cancelled = False
 
 
@@ -103,6 +107,7 @@ class PoolWorker:
         self.state_layers = {n for n, (g, _) in self.layer_ids.items() if kinds[g] == STATE}
         self.codecs = {n: get_codec("raw") if n in self.state_layers else self.codec for n in self.layer_ids}
         self.state_copies: DeferredStateCopies | None = None
+        self.device_path: DevicePath | None = None
         self._step_loads = False
         self._waited: set[str] = set()
         self.load_step_layers: deque[int] = deque(maxlen=4096)  # layers that waited, per loading step
@@ -152,6 +157,13 @@ class PoolWorker:
                  first.page_bytes, self.blocks_per_chunk, self.keyspace.namespace)
         if states:
             self._install_hybrid(states)
+        device = self.layouts[self.order[0]].tensor.device
+        batched = self.cfg.copy_path == "batched" or (self.cfg.copy_path == "auto" and device.type != "cpu")
+        if batched and self.codec.name == "raw":
+            try:
+                self.device_path = DevicePath(device, self.layouts)
+            except ValueError as exc:  # an unaligned layout: per-block copies still work
+                log.warning("ascend-store: batched device copies off (%s); copying block by block", exc)
 
     def _install_hybrid(self, states: dict[str, LayerLayout]) -> None:
         """Make linear-attention layers drive the layer protocol and defer the runner's
@@ -188,7 +200,9 @@ class PoolWorker:
     def _arena_tensor(self) -> torch.Tensor:
         epoch, view = self.backend.buffer()
         if self._arena is None or self._arena[0] != epoch:
-            self._arena = (epoch, torch.frombuffer(view, dtype=torch.uint8))
+            arena = (self.device_path.arena(epoch, view) if self.device_path is not None
+                     else torch.frombuffer(view, dtype=torch.uint8))  # pinned on accelerators
+            self._arena = (epoch, arena)
         return self._arena[1]
 
     # -- loads ----------------------------------------------------------------
@@ -228,6 +242,9 @@ class PoolWorker:
             by_layer: dict[str, list] = {}
             for name, j, key in plan:
                 by_layer.setdefault(name, []).append((j, key, slots[key]))
+            if self.device_path is not None:
+                self._load_on_device(job, arena, by_layer, corrupt)
+                return
             for name in self.order:
                 if job.cancelled:
                     break
@@ -271,6 +288,58 @@ class PoolWorker:
             except BackendUnavailable:
                 pass  # the pool drops our leases when their TTL ends
 
+    def _load_on_device(self, job: _LoadJob, arena: torch.Tensor, by_layer: dict, corrupt: set[int]) -> None:
+        """Check headers on the host, then one batched copy per layer on the load stream;
+        each layer's event goes to ``wait_for_layer_load``."""
+        layers, owners = [], {}
+        for name in self.order:
+            objs = LayerObjects(name, [], [], [], [], [])
+            owners[name] = []
+            for j, key, slot in by_layer.get(name, ()):
+                if j in job.failed:
+                    continue
+                if slot.status is not Status.OK:
+                    self.counters["load_missing"] += 1
+                    job.failed.add(j)
+                    continue
+                ld = job.loads[j]
+                try:
+                    if 0 in ld.block_ids:
+                        raise CorruptObject(f"{key}: no block allocated for it")
+                    check_header(arena[slot.offset:slot.offset + slot.size], self.layouts[name], key,
+                                 self._object_blocks(name), self.cfg.verify_checksum, self.codecs[name],
+                                 payload_checked_later=True)
+                except CorruptObject as exc:
+                    self._rejected(job, j, corrupt, exc)
+                    continue
+                objs.offsets.append(slot.offset)
+                objs.sizes.append(slot.size)
+                objs.blocks.append(ld.block_ids)
+                objs.skips.append(ld.skip)
+                objs.keys.append(key)
+                owners[name].append(j)
+            layers.append(objs)
+
+        def ready(name: str, event, bad: list[int]) -> None:
+            for i in bad:
+                self._rejected(job, owners[name][i], corrupt,
+                               CorruptObject(f"{layers_by_name[name].keys[i]}: checksum mismatch"))
+            sizes = layers_by_name[name].sizes
+            good = [i for i in range(len(sizes)) if i not in set(bad)]
+            self.counters["loaded_objects"] += len(good)
+            self.counters["loaded_bytes"] += sum(sizes[i] for i in good)
+            job.device_events[name] = event
+            job.events[name].set()
+
+        layers_by_name = {o.name: o for o in layers}
+        self.device_path.load_layers(arena, layers, self.cfg.verify_checksum, ready, lambda: job.cancelled)
+
+    def _rejected(self, job: _LoadJob, j: int, corrupt: set[int], exc: CorruptObject) -> None:
+        self.counters["load_corrupt"] += 1
+        log.warning("KV pool object rejected, recomputing: %s", exc)
+        job.failed.add(j)
+        corrupt.add(j)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._waits += 1
         self._waited.add(layer_name)
@@ -280,6 +349,8 @@ class PoolWorker:
         ev = job.events.get(layer_name)
         if ev is not None and not ev.wait(self.cfg.load_timeout_s):
             self._abandon(job, f"layer {layer_name} not loaded within {self.cfg.load_timeout_s}s")
+        if self.device_path is not None:  # the compute stream waits; the host does not
+            self.device_path.dev.wait(job.device_events.get(layer_name))
         if layer_name in self.state_layers:
             self._run_state_copies(layer_name)
 
@@ -292,6 +363,9 @@ class PoolWorker:
     def _finish_load(self, job: _LoadJob) -> None:
         if wait([job.future], timeout=self.cfg.load_timeout_s).not_done:
             self._abandon(job, "load job did not finish")
+        if self.device_path is not None:
+            for event in job.device_events.values():
+                self.device_path.dev.wait(event)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         job, self._load = self._load, None
@@ -316,7 +390,9 @@ class PoolWorker:
             return
         job = self._save_job(meta)
         if job is not None and layer_name in self.layouts:
-            job.futures.append(self._save_thread.submit(self._run_save_layer, job, layer_name))
+            # On an accelerator the copy starts from this point of the compute stream.
+            after = self.device_path.dev.record() if self.device_path is not None else None
+            job.futures.append(self._save_thread.submit(self._run_save_layer, job, layer_name, after))
 
     def _save_job(self, meta: StepMetadata | None) -> _SaveJob | None:
         if self._save is None and meta is not None and meta.saves:
@@ -356,11 +432,15 @@ class PoolWorker:
             else:
                 self.counters["save_skipped_" + slot.status.name.lower()] += 1
 
-    def _run_save_layer(self, job: _SaveJob, name: str) -> None:
+    def _run_save_layer(self, job: _SaveJob, name: str, after=None) -> None:
         t0 = time.perf_counter()
         arena = self._arena_tensor()
         layout = self.layouts[name]
         codec = self.codecs[name]
+        if self.device_path is not None and codec.fixed_size:
+            self._save_on_device(job, arena, name, after)
+            self.counters["save_seconds"] += time.perf_counter() - t0
+            return
         encoded = {}
         if not codec.fixed_size and not job.cancelled:
             # Sizes are known only after encoding: reserve this layer's objects now.
@@ -388,6 +468,32 @@ class PoolWorker:
                 job.failed.add(key)
         self.counters["save_seconds"] += time.perf_counter() - t0
 
+    def _save_on_device(self, job: _SaveJob, arena: torch.Tensor, name: str, after) -> None:
+        objs = LayerObjects(name, [], [], [], [], [])
+        for j, sv in enumerate(job.saves):
+            target = job.slots.get((name, j))
+            if target is None or job.cancelled:
+                continue
+            key, off, size = target
+            objs.offsets.append(off)
+            objs.sizes.append(size)
+            objs.blocks.append(sv.block_ids)
+            objs.skips.append(0)
+            objs.keys.append(key)
+            self.counters["saved_raw_bytes"] += len(sv.block_ids) * self.layouts[name].page_bytes
+        if objs.offsets:
+            job.device_saves.append(self.device_path.save_layer(arena, objs, after))
+
+    def _seal_device_saves(self, job: _SaveJob) -> None:
+        """Headers go in once a layer's copy is done, with the sums it computed."""
+        arena = self._arena_tensor()
+        for q in job.device_saves:
+            sums = self.device_path.finish_save(q)
+            layout, codec = self.layouts[q.objs.name], self.codecs[q.objs.name]
+            for key, off, size, wsum in zip(q.objs.keys, q.objs.offsets, q.objs.sizes, sums):
+                seal(arena[off:off + size], size - HEADER_BYTES, layout, key, codec, self.cfg.verify_checksum,
+                     wsum=wsum)
+
     def wait_for_save(self, meta: StepMetadata | None) -> None:
         self._drain_saves()
         if self.state_copies is not None and self.state_copies.pending:
@@ -409,7 +515,8 @@ class PoolWorker:
         if job is None:
             return
         if not self.cfg.use_layerwise:
-            job.futures += [self._save_thread.submit(self._run_save_layer, job, n) for n in self.order]
+            after = self.device_path.dev.record() if self.device_path is not None else None
+            job.futures += [self._save_thread.submit(self._run_save_layer, job, n, after) for n in self.order]
         # The save thread commits right after the copies, so objects become visible even
         # if the engine goes idle; only the wait for the copies may be deferred.
         job.futures.append(self._save_thread.submit(self._run_commit, job))
@@ -437,6 +544,8 @@ class PoolWorker:
         sizes = {key: size for key, _, size in job.slots.values()}
         done = [k for k in sizes if k not in job.failed]
         try:
+            if job.device_saves:
+                self._seal_device_saves(job)
             self.backend.abort(sorted(job.failed))
             for key, status in zip(done, self.backend.commit(done)):
                 if status is Status.OK:
@@ -464,4 +573,6 @@ class PoolWorker:
         self._load_thread.shutdown(wait=True, cancel_futures=True)
         self._save_thread.shutdown(wait=True, cancel_futures=True)
         self._arena = None
+        if self.device_path is not None:
+            self.device_path.close()
         self.backend.close()

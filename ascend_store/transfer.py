@@ -8,6 +8,9 @@ The header binds the payload to its key, to the cache layout it was cut from and
 codec, and carries a CRC32, so a corrupted payload, a truncated object or an object
 stored under the wrong key is detected before a byte reaches the KV cache.
 
+On accelerators the payload moves in one batched copy per layer (segments.py) that
+also computes a word checksum; the header says which checksum it carries.
+
 A block's page is ``cache.select(block_dim, block_id)``: derived from the tensor's own
 shape and strides, so the same code serves vLLM CPU's [blocks, heads, block, 2*dim],
 FlashAttention's [2, blocks, block, heads, dim] and block-major re-strided caches.
@@ -26,7 +29,8 @@ MAGIC = b"ASKV"
 HEADER = struct.Struct("<4sHH8sQIHH")  # magic, version, flags, fingerprint, payload, crc, codec, pad
 HEADER_BYTES = HEADER.size
 HEADER_VERSION = 1
-FLAG_CRC = 1
+FLAG_CRC = 1  # ``crc`` is the payload's CRC32 (host writers)
+FLAG_WSUM = 2  # ``crc`` is the folded word checksum of segments.py (accelerator writers)
 
 
 class CorruptObject(ValueError):
@@ -109,19 +113,26 @@ def write_object(obj: torch.Tensor, layout: LayerLayout, block_ids: list[int], k
     seal(obj, obj.numel() - HEADER_BYTES, layout, key, codec, checksum)
 
 
-def seal(obj: torch.Tensor, payload_len: int, layout: LayerLayout, key: str, codec, checksum: bool) -> None:
-    """Write the header of an object whose payload is already in ``obj[HEADER_BYTES:]``."""
-    payload = obj[HEADER_BYTES:HEADER_BYTES + payload_len]
-    crc = zlib.crc32(payload.numpy()) if checksum else 0
-    header = HEADER.pack(MAGIC, HEADER_VERSION, FLAG_CRC if checksum else 0,
-                         fingerprint(key, layout, codec.name), payload_len, crc, codec.cid, 0)
+def seal(obj: torch.Tensor, payload_len: int, layout: LayerLayout, key: str, codec, checksum: bool,
+         wsum: int | None = None) -> None:
+    """Write the header of an object whose payload is already in ``obj[HEADER_BYTES:]``
+    (``wsum``: the word checksum the copy computed, instead of a CRC32 here)."""
+    if not checksum:
+        flags, crc = 0, 0
+    elif wsum is not None:
+        flags, crc = FLAG_WSUM, wsum
+    else:
+        flags, crc = FLAG_CRC, zlib.crc32(obj[HEADER_BYTES:HEADER_BYTES + payload_len].numpy())
+    header = HEADER.pack(MAGIC, HEADER_VERSION, flags, fingerprint(key, layout, codec.name), payload_len,
+                         crc, codec.cid, 0)
     obj[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
 
 
-def read_object(obj: torch.Tensor, layout: LayerLayout, block_ids: list[int], skip: int, key: str,
-                blocks_per_chunk: int, checksum: bool, codec) -> None:
-    """Check ``obj`` against ``key``, the layout and the codec, then decode pages
-    ``skip..`` into ``block_ids``."""
+def check_header(obj: torch.Tensor, layout: LayerLayout, key: str, blocks_per_chunk: int, checksum: bool,
+                 codec, payload_checked_later: bool = False) -> int:
+    """Check ``obj``'s header against ``key``, the layout and the codec, and its CRC32
+    if it has one; returns the payload length. A word checksum is verified here unless
+    ``payload_checked_later`` (the device copy computes it on the way)."""
     limit = HEADER_BYTES + codec.payload_bytes(layout, blocks_per_chunk)
     if obj.numel() < HEADER_BYTES or obj.numel() > limit or (codec.fixed_size and obj.numel() != limit):
         raise CorruptObject(f"{key}: size {obj.numel()} does not fit {limit}")
@@ -132,11 +143,27 @@ def read_object(obj: torch.Tensor, layout: LayerLayout, block_ids: list[int], sk
         raise CorruptObject(f"{key}: stored for another key or cache layout")
     if n > obj.numel() - HEADER_BYTES or (codec.fixed_size and n != obj.numel() - HEADER_BYTES):
         raise CorruptObject(f"{key}: payload length {n} does not fit the object")
-    payload = obj[HEADER_BYTES:HEADER_BYTES + n]
-    if checksum and not flags & FLAG_CRC:
+    if not checksum:
+        return n
+    if not flags & (FLAG_CRC | FLAG_WSUM):
         raise CorruptObject(f"{key}: written without a checksum")
-    if checksum and zlib.crc32(payload.numpy()) != crc:
+    payload = obj[HEADER_BYTES:HEADER_BYTES + n].numpy()
+    if flags & FLAG_CRC and zlib.crc32(payload) != crc:
         raise CorruptObject(f"{key}: checksum mismatch")
+    if flags & FLAG_WSUM and not payload_checked_later:
+        from ascend_store.segments import wsum_host
+
+        if wsum_host(payload) != crc:
+            raise CorruptObject(f"{key}: checksum mismatch")
+    return n
+
+
+def read_object(obj: torch.Tensor, layout: LayerLayout, block_ids: list[int], skip: int, key: str,
+                blocks_per_chunk: int, checksum: bool, codec) -> None:
+    """Check ``obj`` against ``key``, the layout and the codec, then decode pages
+    ``skip..`` into ``block_ids``."""
+    n = check_header(obj, layout, key, blocks_per_chunk, checksum, codec)
+    payload = obj[HEADER_BYTES:HEADER_BYTES + n]
     try:
         codec.decode(layout, payload, blocks_per_chunk, skip, block_ids)
     except CorruptObject:

@@ -14,9 +14,11 @@ pytestmark = pytest.mark.e2e
 TAMPER = f"{sys.executable} {os.path.join(REPO, 'tests', 'e2e', 'pool_tamper.py')}"
 
 
-@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
-def test_fresh_engine_loads_from_standalone_pool(tmp_path, model, baseline, pool, layerwise):
-    kv = kv_config(pool.socket, use_layerwise=layerwise, local={"start": "never"})
+# "batched": the accelerator transfer path (device_path.py) run by its CPU implementation.
+@pytest.mark.parametrize("layerwise,copy_path", [(True, "auto"), (False, "auto"), (True, "batched")],
+                         ids=["layerwise", "whole", "batched"])
+def test_fresh_engine_loads_from_standalone_pool(tmp_path, model, baseline, pool, layerwise, copy_path):
+    kv = kv_config(pool.socket, use_layerwise=layerwise, local={"start": "never"}, copy_path=copy_path)
     a = run_engine(tmp_path, model, [prompts()], kv)
     assert_same_outputs(a["rounds"][0], baseline)
     assert a["worker"]["saved_objects"] > 0
@@ -50,12 +52,16 @@ def test_producer_then_consumer(tmp_path, model, baseline, pool):
     assert_same_outputs(cons["rounds"][0], baseline)
 
 
-def test_corrupt_or_misplaced_objects_are_recomputed_then_republished(tmp_path, model, baseline, pool):
+@pytest.mark.parametrize("copy_path", ["per_block", "batched"])
+def test_corrupt_or_misplaced_objects_are_recomputed_then_republished(tmp_path, model, baseline, pool,
+                                                                      copy_path):
     """Flipped payload bytes (prompt 0) and objects swapped between keys (prompt 2): round 2
     detects them and recomputes; the worker removes every object of a rejected chunk, so
-    round 3 saves them again and round 4 hits everything."""
+    round 3 saves them again and round 4 hits everything. The batched path finds the flip
+    by the word checksum its copy computes, the per-block path by the CRC32."""
     between = [f"{TAMPER} flip {pool.socket} basic:0 && {TAMPER} swap {pool.socket} basic:2"]
-    r = run_engine(tmp_path, model, [prompts()] * 4, kv_config(pool.socket), between=between)
+    r = run_engine(tmp_path, model, [prompts()] * 4, kv_config(pool.socket, copy_path=copy_path),
+                   between=between)
     for out in r["rounds"]:
         assert_same_outputs(out, baseline)
     assert r["per_round"][1]["worker"]["load_corrupt"] > 0

@@ -1,0 +1,175 @@
+"""The zero-copy transfer path: one batched copy per layer between a paged KV cache on
+an accelerator and the pool's pinned host memory, with the checksum computed by the
+copy itself.
+
+A block's page is cut into *segments*: the page's largest contiguous runs (one for a
+block-major page, two for FlashAttention's [2, blocks, ...] where K and V are apart).
+An object's payload is its pages back to back, each page's segments in order: the same
+bytes ``transfer.write_object`` writes with the raw codec, so either path reads what the
+other wrote.
+
+The checksum (``FLAG_WSUM`` in the header) is Fletcher-like over the payload's 8-byte
+words w_i: s1 = sum(w_i), s2 = sum((i + 1) * w_i), mod 2**64. It is cheap on any device,
+the copy kernel accumulates it per segment on the way through, and per-segment sums
+combine into the object's: a segment at word offset o adds s1_seg and t_seg + o * s1_seg.
+A flipped bit changes s1; reordered words change s2; the header keeps a 32-bit mix of both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ascend_store import kernels
+from ascend_store.transfer import HEADER_BYTES, LayerLayout
+
+MASK = (1 << 64) - 1
+WORD = kernels.WORD
+
+
+def _mix(z):
+    """splitmix64's finalizer (numpy uint64 arrays wrap like the ints here are masked)."""
+    z = (z ^ (z >> _U(30))) * _U(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> _U(27))) * _U(0x94D049BB133111EB)
+    return z ^ (z >> _U(31))
+
+
+def _U(v: int):
+    return np.uint64(v)
+
+
+def fold(s1: int, s2: int) -> int:
+    """The 32-bit value stored in the header for word sums ``s1``, ``s2``: both go
+    through a 64-bit mixer, so a change in either changes the result (a plain xor of
+    the two would cancel a change that moves both sums alike)."""
+    return int(fold_array(np.asarray([s1 & MASK], dtype=np.uint64),
+                          np.asarray([s2 & MASK], dtype=np.uint64))[0])
+
+
+def fold_array(s1: np.ndarray, s2: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        h = _mix(_mix(s1) ^ s2)
+    return ((h ^ (h >> _U(32))) & _U(0xFFFFFFFF)).astype(np.int64)
+
+
+def wsum_host(payload: np.ndarray) -> int:
+    """The folded word checksum of a payload in host memory (uint8, length % 8 == 0)."""
+    w = payload.view(np.uint64)
+    with np.errstate(over="ignore"):
+        s1 = int(w.sum(dtype=np.uint64))
+        s2 = int((w * np.arange(1, w.size + 1, dtype=np.uint64)).sum(dtype=np.uint64))
+    return fold(s1, s2)
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    """Where one page's segments are: ``starts[b]`` is block b's page origin (bytes from
+    the storage start), ``offsets`` the segments' byte offsets from that origin."""
+
+    seg_bytes: int
+    offsets: tuple[int, ...]
+    block_stride: int
+    origin: int
+
+    @property
+    def page_bytes(self) -> int:
+        return self.seg_bytes * len(self.offsets)
+
+    def start(self, block: int) -> int:
+        return self.origin + block * self.block_stride
+
+
+def page_plan(layout: LayerLayout) -> PagePlan:
+    t = layout.tensor
+    size = t.element_size()
+    shape = [s for d, s in enumerate(t.shape) if d != layout.block_dim]
+    strides = [s for d, s in enumerate(t.stride()) if d != layout.block_dim]
+    # Merge the innermost dims while they are contiguous: that run is one segment.
+    inner, expect, k = 1, 1, len(shape)
+    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == expect):
+        inner *= shape[k - 1]
+        expect *= shape[k - 1]
+        k -= 1
+    # The outer dims enumerate the segments, in the row-major order of page.contiguous().
+    plan = PagePlan(inner * size, tuple(o * size for o in _row_major(shape[:k], strides[:k])),
+                    t.stride(layout.block_dim) * size, t.storage_offset() * size)
+    if any(v % WORD for v in (plan.seg_bytes, plan.block_stride, plan.origin, *plan.offsets)):
+        raise ValueError(f"cache layout {tuple(t.shape)}/{t.stride()} is not 8-byte aligned")
+    return plan
+
+
+def _row_major(shape: list[int], strides: list[int]) -> list[int]:
+    offsets = [0]
+    for n, st in zip(shape, strides):
+        offsets = [o + i * st for o in offsets for i in range(n)]
+    return offsets
+
+
+def storage_words(t: torch.Tensor) -> torch.Tensor:
+    """An int64 view of all of ``t``'s storage (the copy kernel addresses it in words)."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.int64, device=t.device).set_(storage, 0, (storage.nbytes() // WORD,),
+                                                                    (1,))
+
+
+@dataclass
+class LayerCopy:
+    """One layer's batched copy: segment word offsets and the payload position of each
+    segment (for combining the checksums per object)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    seg_words: int
+    obj_of_seg: np.ndarray  # which object each segment belongs to
+    payload_word: np.ndarray  # each segment's word offset within its object's payload
+
+
+def plan_objects(plan: PagePlan, objects: list[tuple[int, list[int], int]], load: bool) -> LayerCopy:
+    """``objects``: (arena byte offset of the object, block ids, pages to skip). A load
+    copies arena -> cache (skipped pages are read for the checksum only: dst -1); a save
+    copies cache -> arena. Built with numpy: a layer has thousands of segments."""
+    per_page = len(plan.offsets)
+    seg_words = plan.seg_bytes // WORD
+    offs = np.asarray([o for o, _, _ in objects], dtype=np.int64)
+    counts = np.asarray([skip + len(blocks) for _, blocks, skip in objects], dtype=np.int64)
+    blocks = np.asarray([b for _, bl, skip in objects for b in [-1] * skip + list(bl)], dtype=np.int64)
+    obj = np.repeat(np.arange(len(objects), dtype=np.int64), counts)  # per page
+    page = np.arange(len(obj), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    seg = np.arange(per_page, dtype=np.int64)
+    payload = (page[:, None] * per_page + seg[None, :]) * seg_words  # words into the payload
+    arena = (offs[obj] + HEADER_BYTES)[:, None] // WORD + payload
+    seg_off = np.asarray(plan.offsets, dtype=np.int64)
+    cache = (plan.origin + blocks * plan.block_stride)[:, None] // WORD + seg_off[None, :] // WORD
+    cache = np.where(blocks[:, None] >= 0, cache, -1)
+    a, c = arena.reshape(-1), cache.reshape(-1)
+    src, dst = (a, c) if load else (c, a)
+    return LayerCopy(src, dst, seg_words, np.repeat(obj, per_page), payload.reshape(-1))
+
+
+def object_sums(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> list[int]:
+    """Folded checksums per object from the kernel's per-segment (s1, t) pairs."""
+    sums = seg_sums.astype(np.int64).view(np.uint64).reshape(-1, 2)
+    s1 = np.zeros(n_objects, dtype=np.uint64)
+    s2 = np.zeros(n_objects, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        np.add.at(s1, copy.obj_of_seg, sums[:, 0])
+        np.add.at(s2, copy.obj_of_seg, sums[:, 1] + copy.payload_word.astype(np.uint64) * sums[:, 0])
+    return fold_array(s1, s2).tolist()
+
+
+def run_copy(copy: LayerCopy, src, dst, device: torch.device, stream=None) -> torch.Tensor:
+    """Queue the copy (Triton on CUDA, torch ops elsewhere); returns the per-segment
+    [n, 2] int64 sums tensor (on ``device``; valid once the queued work is done)."""
+    n = len(copy.src)
+    sums = torch.zeros((n, 2), dtype=torch.int64, device=device)
+    if n == 0:
+        return sums
+    if device.type == "cuda":
+        offs = torch.from_numpy(np.stack([copy.src, copy.dst])).to(device, non_blocking=True)
+        kernels.copy_segments_sum(src, dst, offs[0], offs[1], sums, copy.seg_words)
+    else:
+        kernels.copy_segments_sum_torch(src, dst, copy.src.tolist(), copy.dst.tolist(), sums,
+                                        copy.seg_words)
+    return sums

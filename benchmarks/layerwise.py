@@ -1,0 +1,198 @@
+"""How much of a pool load the layerwise pipeline hides behind the forward (GPU).
+
+A synthetic forward with each layer's real work for Llama-3-8B geometry (QKV and output
+projections, attention of the new tokens over the cached prefix read from the paged
+cache, the gated MLP; bf16), fed by the connector's own load pipeline
+(``ascend_store.device_path.DevicePath``: one Triton copy per layer from the pinned
+arena on a side stream, checksums checked per layer; the compute stream waits on each
+layer's event before that layer runs). For each case, in one run:
+
+  ceiling    one pinned host->device copy of the same bytes (the link's limit)
+  load       the pipeline alone: all layers' objects into the cache
+  compute    the forward alone
+  overlap    the forward with the load running under it
+  hidden     (load + compute - overlap) / load: the share of the load that cost no time
+
+Runs with torch, triton and this package only (no vLLM):
+    python benchmarks/layerwise.py [--cached 4096 16384 32768] [--new 512 2048] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from ascend_store.codecs import get_codec  # noqa: E402
+from ascend_store.device_path import DevicePath, LayerObjects  # noqa: E402
+from ascend_store.transfer import HEADER_BYTES, LayerLayout, object_bytes, seal  # noqa: E402
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, BLOCK = 32, 4096, 32, 8, 128, 14336, 16
+CHUNK_BLOCKS = 16  # blocks per pool object (chunk_size 256 tokens)
+ALIGN = 512
+
+
+def aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Model:
+    """Random bf16 weights of one decoder layer, reused by every layer (the work, not
+    the values, is what matters here)."""
+
+    def __init__(self, dev):
+        g = torch.Generator(device=dev).manual_seed(0)
+        w = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=g) * 0.02  # noqa: E731
+        self.qkv = w(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+        self.o = w(HEADS * HEAD_DIM, HIDDEN)
+        self.up = w(HIDDEN, 2 * FFN)
+        self.down = w(FFN, HIDDEN)
+
+    def layer(self, x, cache, blocks):
+        """One layer over ``x`` (new tokens); attention reads the layer's cached prefix
+        from its paged cache [2, blocks, BLOCK, KV_HEADS, HEAD_DIM]."""
+        m = x.shape[0]
+        q = (x @ self.qkv)[:, : HEADS * HEAD_DIM].view(m, HEADS, HEAD_DIM).transpose(0, 1)
+        k = cache[0].index_select(0, blocks).reshape(-1, KV_HEADS, HEAD_DIM).transpose(0, 1)
+        v = cache[1].index_select(0, blocks).reshape(-1, KV_HEADS, HEAD_DIM).transpose(0, 1)
+        a = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                           enable_gqa=True).squeeze(0)
+        x = x + a.transpose(0, 1).reshape(m, -1) @ self.o
+        gate, up = (x @ self.up).chunk(2, dim=-1)
+        return x + (F.silu(gate) * up) @ self.down
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda") -> dict:
+    dev = torch.device(device)
+    nblocks = cached // BLOCK
+    caches = [torch.zeros(2, nblocks + 8, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+              for _ in range(LAYERS)]
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    layouts = {n: LayerLayout(c, 1, (KV_HEADS, BLOCK, HEAD_DIM)) for n, c in zip(names, caches)}
+    path = DevicePath(dev, layouts)
+    raw = get_codec("raw")
+    per_obj = object_bytes(layouts[names[0]], CHUNK_BLOCKS, raw)
+    obj = aligned(per_obj)
+    nobj = nblocks // CHUNK_BLOCKS
+    size = obj * nobj * LAYERS
+    arena_map = mmap.mmap(-1, size)
+    arena = path.arena(0, arena_map)
+    blocks = torch.arange(nblocks, device=dev)
+
+    # Fill the arena with sealed objects of random KV, as a previous engine would have.
+    src = torch.randn(2, nblocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    filler = LayerLayout(src, 1, (KV_HEADS, BLOCK, HEAD_DIM))
+    layers = []
+    chunks = [list(range(c * CHUNK_BLOCKS, (c + 1) * CHUNK_BLOCKS)) for c in range(nobj)]
+    for li, name in enumerate(names):
+        offs = [(li * nobj + c) * obj for c in range(nobj)]
+        objs = LayerObjects(name, offs, [per_obj] * nobj, chunks, [0] * nobj,
+                            [f"k/L{li}/{c}" for c in range(nobj)])
+        filler_path = DevicePath(dev, {name: filler})
+        q = filler_path.save_layer(arena, objs, None)
+        for off, s in zip(offs, filler_path.finish_save(q)):
+            seal(arena[off:off + per_obj], per_obj - HEADER_BYTES, layouts[name], "k", raw, True, wsum=s)
+        layers.append(objs)
+    kv_bytes = 2 * nblocks * BLOCK * KV_HEADS * HEAD_DIM * 2 * LAYERS
+
+    model = Model(dev)
+    x0 = torch.randn(new, HIDDEN, device=dev, dtype=torch.bfloat16)
+
+    def forward(events=None):
+        x = x0
+        for li, name in enumerate(names):
+            if events is not None:
+                events[name].wait()
+                path.dev.wait(events.get(name + "/ev"))
+            x = model.layer(x, caches[li], blocks)
+        return x
+
+    def load(events):
+        def ready(name, ev, bad):
+            assert not bad, f"{name}: {len(bad)} objects failed their checksum"
+            events[name + "/ev"] = ev
+            events[name].set()
+        path.load_layers(arena, layers, True, ready)
+
+    def timed(fn) -> float:
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        return time.perf_counter() - t0
+
+    def load_only():
+        ev = {n: threading.Event() for n in names}
+        load(ev)
+        for n in names:
+            path.dev.wait(ev[n + "/ev"])
+
+    def overlap():
+        ev = {n: threading.Event() for n in names}
+        t = threading.Thread(target=load, args=(ev,))
+        t.start()
+        forward(ev)
+        t.join()
+
+    pinned = torch.empty(kv_bytes // LAYERS, dtype=torch.uint8)
+    pinned = pinned.pin_memory() if dev.type == "cuda" else pinned
+    dst = torch.empty_like(pinned, device=dev)
+
+    def ceiling():
+        for _ in range(LAYERS):
+            dst.copy_(pinned, non_blocking=True)
+
+    for fn in (ceiling, load_only, forward, overlap):  # warm up (Triton compile, cuBLAS)
+        timed(fn)
+    med = lambda fn: sorted(timed(fn) for _ in range(reps))[reps // 2]  # noqa: E731
+    t_ceil, t_load, t_comp, t_over = med(ceiling), med(load_only), med(forward), med(overlap)
+    hidden = max(0.0, min(1.0, (t_load + t_comp - t_over) / t_load))
+    path.close()
+    arena_map.close()
+    return {"cached": cached, "new": new, "kv_gb": kv_bytes / 1e9, "ceiling_ms": t_ceil * 1e3,
+            "ceiling_gbs": kv_bytes / t_ceil / 1e9, "load_ms": t_load * 1e3,
+            "load_gbs": kv_bytes / t_load / 1e9, "load_pct_ceiling": 100 * t_ceil / t_load,
+            "compute_ms": t_comp * 1e3, "overlap_ms": t_over * 1e3, "hidden_pct": 100 * hidden}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cached", type=int, nargs="+", default=[4096, 16384, 32768])
+    ap.add_argument("--new", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--json")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the same code (slow)")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"{name}; Llama-3-8B geometry ({LAYERS} layers, {KV_HEADS} KV heads x "
+          f"{HEAD_DIM}, block {BLOCK}, {CHUNK_BLOCKS} blocks per object, bf16); checksums on")
+    cols = ("cached", "new", "kv_gb", "ceiling_gbs", "load_gbs", "load_pct_ceiling", "load_ms", "compute_ms",
+            "overlap_ms", "hidden_pct")
+    print(" ".join(f"{c:>16}" for c in cols))
+    rows = []
+    for cached in args.cached:
+        for new in args.new:
+            r = run_case(cached, new, args.reps, args.device)
+            rows.append(r)
+            print(" ".join(f"{r[c]:>16.2f}" if isinstance(r[c], float) else f"{r[c]:>16}" for c in cols),
+                  flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The zero-copy path's plan and checksum, run with its CPU implementation (torch ops).
+
+The GPU runs the same plan through one Triton kernel per layer (benchmarks/layerwise.py
+and benchmarks/transfer.py measure it); here we check what both share: which bytes go
+where, that objects are byte-identical to the host path's, and that the checksum the copy
+accumulates is the one the header carries and catches damage.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ascend_store.codecs import get_codec
+from ascend_store.segments import object_sums, page_plan, plan_objects, run_copy, storage_words, wsum_host
+from ascend_store.transfer import (
+    HEADER_BYTES,
+    CorruptObject,
+    LayerLayout,
+    object_bytes,
+    read_object,
+    seal,
+    write_object,
+)
+
+NB, T, H, D = 8, 16, 2, 8
+RAW = get_codec("raw")
+
+
+def _caches():
+    """The same KV in three layouts: FlashAttention [2, blocks, T, H, D] (K and V apart),
+    vLLM CPU [blocks, H, T, 2D] and a block-major page inside a shared buffer."""
+    torch.manual_seed(0)
+    fa = torch.randn(2, NB, T, H, D, dtype=torch.bfloat16)
+    cpu = torch.randn(NB, H, T, 2 * D, dtype=torch.bfloat16)
+    shared = torch.zeros(NB * 2 * H * T * 2 * D, dtype=torch.bfloat16)
+    paged = torch.as_strided(shared, (NB, H, T, 2 * D), (2 * H * T * 2 * D, T * 2 * D, 2 * D, 1),
+                             H * T * 2 * D)  # the second layer of each block
+    paged.copy_(torch.randn(NB, H, T, 2 * D))
+    return {"fa": (fa, 1), "cpu": (cpu, 0), "paged": (paged, 0)}
+
+
+@pytest.mark.parametrize("name", ["fa", "cpu", "paged"])
+def test_plan_segments_follow_the_page_layout(name):
+    cache, block_dim = _caches()[name]
+    plan = page_plan(LayerLayout(cache, block_dim))
+    assert len(plan.offsets) == (2 if name == "fa" else 1)
+    assert plan.page_bytes == cache.select(block_dim, 0).numel() * 2
+
+
+@pytest.mark.parametrize("name", ["fa", "cpu", "paged"])
+def test_save_by_segments_equals_the_host_path_and_carries_its_checksum(name):
+    cache, block_dim = _caches()[name]
+    layout = LayerLayout(cache, block_dim)
+    blocks = [5, 2, 7]
+    size = object_bytes(layout, len(blocks), RAW)
+    arena = torch.zeros(2 * size + 64, dtype=torch.uint8)
+    copy = plan_objects(page_plan(layout), [(64, blocks, 0)], load=False)
+    sums = run_copy(copy, storage_words(cache), storage_words(arena), arena.device)
+    (wsum,) = object_sums(copy, sums.numpy(), 1)
+    obj = arena[64:64 + size]
+    seal(obj, size - HEADER_BYTES, layout, "k", RAW, checksum=True, wsum=wsum)
+    host = torch.zeros(size, dtype=torch.uint8)
+    write_object(host, layout, blocks, "k", True, RAW)
+    assert torch.equal(obj[HEADER_BYTES:], host[HEADER_BYTES:])  # same payload bytes
+    assert wsum == wsum_host(obj[HEADER_BYTES:].numpy())
+    other = torch.zeros_like(cache)
+    read_object(obj, LayerLayout(other, block_dim), [1, 3, 4], 0, "k", 3, True, RAW)  # verifies wsum
+    for src, dst in zip(blocks, [1, 3, 4]):
+        assert torch.equal(other.select(block_dim, dst), cache.select(block_dim, src))
+
+
+def test_load_by_segments_reads_skipped_pages_for_the_checksum_only():
+    cache, block_dim = _caches()["fa"]
+    layout = LayerLayout(cache, block_dim)
+    size = object_bytes(layout, 3, RAW)
+    arena = torch.zeros(size, dtype=torch.uint8)
+    write_object(arena, layout, [0, 1, 2], "k", True, RAW)  # the host path, with a CRC32
+    target = torch.zeros_like(cache)
+    copy = plan_objects(page_plan(layout), [(0, [6, 7], 1)], load=True)  # pages 1, 2 -> blocks 6, 7
+    sums = run_copy(copy, storage_words(arena), storage_words(target), target.device)
+    assert not target.select(block_dim, 0).any()  # page 0 was not written anywhere
+    assert torch.equal(target.select(block_dim, 6), cache.select(block_dim, 1))
+    assert torch.equal(target.select(block_dim, 7), cache.select(block_dim, 2))
+    assert object_sums(copy, sums.numpy(), 1) == [wsum_host(arena[HEADER_BYTES:].numpy())]
+
+
+def test_word_checksum_catches_every_single_bit_flip_and_reordered_words():
+    """Every bit of the first and last words (high bits included: a sum that moved both
+    s1 and s2 alike once slipped through a plain xor of the two)."""
+    rng = np.random.default_rng(0)
+    payload = rng.integers(0, 256, 4096, dtype=np.uint8)
+    base = wsum_host(payload)
+    for byte in list(range(8)) + list(range(4088, 4096)):
+        for bit in range(8):
+            flipped = payload.copy()
+            flipped[byte] ^= 1 << bit
+            assert wsum_host(flipped) != base, (byte, bit)
+    swapped = payload.copy().view(np.uint64)
+    swapped[[3, 9]] = swapped[[9, 3]]
+    assert wsum_host(swapped.view(np.uint8)) != base
+
+
+def test_a_damaged_segment_copied_object_is_rejected():
+    cache, block_dim = _caches()["cpu"]
+    layout = LayerLayout(cache, block_dim)
+    size = object_bytes(layout, 2, RAW)
+    arena = torch.zeros(size, dtype=torch.uint8)
+    copy = plan_objects(page_plan(layout), [(0, [3, 4], 0)], load=False)
+    sums = run_copy(copy, storage_words(cache), storage_words(arena), arena.device)
+    (wsum,) = object_sums(copy, sums.numpy(), 1)
+    seal(arena, size - HEADER_BYTES, layout, "k", RAW, checksum=True, wsum=wsum)
+    arena[HEADER_BYTES + 33] ^= 0x10
+    with pytest.raises(CorruptObject, match="checksum mismatch"):
+        read_object(arena, layout, [0, 1], 0, "k", 2, True, RAW)
