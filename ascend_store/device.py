@@ -13,6 +13,8 @@ import contextlib
 
 import torch
 
+_PINNED: dict[int, int] = {}  # host address -> users (cudaHostRegister is not counted)
+
 
 class Device:
     def __init__(self, device: torch.device):
@@ -49,12 +51,16 @@ class Device:
 
     def pin(self, buffer) -> bool:
         """Register host memory (e.g. the mmapped arena) as pinned so DMA and kernels can
-        reach it. Returns False where nothing needs doing (CPU)."""
+        reach it. Returns False where nothing needs doing (CPU). Counted per address, so
+        several users in one process (two workers, a test) can pin the same arena."""
         if self.type == "cuda":
             t = torch.frombuffer(buffer, dtype=torch.uint8)
-            rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 3)  # portable | mapped
-            if int(rc) != 0:
-                raise RuntimeError(f"cudaHostRegister failed ({rc})")
+            ptr = t.data_ptr()
+            if _PINNED.get(ptr, 0) == 0:
+                rc = torch.cuda.cudart().cudaHostRegister(ptr, t.numel(), 3)  # portable | mapped
+                if int(rc) != 0:
+                    raise RuntimeError(f"cudaHostRegister failed ({rc})")
+            _PINNED[ptr] = _PINNED.get(ptr, 0) + 1
             return True
         if self.type == "npu":  # pragma: no cover - needs Ascend hardware
             import torch_npu  # noqa: F401
@@ -64,4 +70,8 @@ class Device:
 
     def unpin(self, buffer) -> None:
         if self.type == "cuda":
-            torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(buffer, dtype=torch.uint8).data_ptr())
+            ptr = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+            _PINNED[ptr] = _PINNED.get(ptr, 1) - 1
+            if _PINNED[ptr] <= 0:
+                del _PINNED[ptr]
+                torch.cuda.cudart().cudaHostUnregister(ptr)

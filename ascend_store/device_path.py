@@ -1,8 +1,13 @@
-"""The worker's transfer path on an accelerator (CUDA; NPU through device.py).
+"""The worker's batched transfer path (CUDA; NPU through device.py; CPU for tests).
 
-The pool's arena is registered as pinned host memory, and each layer moves in one
-batched copy (segments.py: a Triton kernel reading or writing the arena directly) on a
-side stream, so the compute stream never waits on the host:
+The pool's arena is registered as pinned host memory. Each layer moves on a side stream
+in two parts: the copy engine moves whole objects between the arena and device memory
+(one DMA per run of adjacent slots), and one kernel (segments.py) scatters or gathers
+their pages to or from the paged cache, summing every word on the way. The kernel only
+touches device memory, so it takes the SMs for microseconds; a kernel reading the arena
+over the link directly would hold SMs for the whole transfer and slow the forward it is
+meant to hide behind (measured: docs/benchmarks.md). The compute stream never waits on
+the host:
 
 - load: layer i+1's copy is queued before layer i is checked, so the link stays busy;
   ``ready(layer, event)`` hands each layer's event to the worker, whose
@@ -25,8 +30,16 @@ import numpy as np
 import torch
 
 from ascend_store.device import Device
-from ascend_store.segments import LayerCopy, object_sums, page_plan, plan_objects, run_copy, storage_words
-from ascend_store.transfer import FLAG_WSUM, LayerLayout
+from ascend_store.segments import (
+    WORD,
+    LayerCopy,
+    object_sums,
+    page_plan,
+    plan_objects,
+    run_copy,
+    storage_words,
+)
+from ascend_store.transfer import FLAG_WSUM, HEADER_BYTES, LayerLayout
 
 
 @dataclass
@@ -48,6 +61,7 @@ class QueuedSave:
     done: object  # device event
     sums: torch.Tensor
     copy: LayerCopy
+    staging: torch.Tensor | None = None  # kept alive until the copy is done
 
 
 class DevicePath:
@@ -76,13 +90,6 @@ class DevicePath:
             self._arena = (epoch, view, host)
         return self._arena[2]
 
-    def _arena_src(self, arena: torch.Tensor):
-        from ascend_store.kernels import HostPtr
-
-        if self.dev.type == "cuda":
-            return HostPtr(arena.data_ptr())
-        return arena.view(torch.int64)
-
     def close(self) -> None:
         if self._arena is not None:
             self.dev.unpin(self._arena[1])
@@ -95,50 +102,100 @@ class DevicePath:
         """Copy every layer's objects into the cache, in order. ``ready(name, event,
         bad)`` is called per layer with the event its copy completes on and the indexes
         of objects whose checksum did not match (their pages must not be used)."""
-        src = self._arena_src(arena)
         queued: deque = deque()
         for objs in layers:
             if cancelled():
                 break
-            copy = plan_objects(self.plans[objs.name],
-                                list(zip(objs.offsets, objs.blocks, objs.skips)), load=True)
             with self.dev.use(self.load_stream):
-                sums = run_copy(copy, src, self.words[objs.name], self.dev.device, self.load_stream)
+                copy, sums, keep = self._load_layer(arena, objs)
                 event = self.dev.record(self.load_stream)
             if not verify:
                 ready(objs.name, event, [])
                 continue
-            queued.append((objs, event, sums, copy))
+            queued.append((objs, event, sums, copy, keep))
             if len(queued) > 1:  # check the previous layer while this one copies
                 self._check(arena, *queued.popleft(), ready)
         while queued:
             self._check(arena, *queued.popleft(), ready)
 
-    def _check(self, arena, objs: LayerObjects, event, sums, copy, ready) -> None:
+    def _load_layer(self, arena: torch.Tensor, objs: LayerObjects):
+        """Queue one layer's copy. On an accelerator the copy engine moves the objects into
+        device memory (one DMA per run of adjacent slots), then a kernel scatters their
+        pages into the cache and sums them; kernels never wait on the link, so compute
+        keeps every SM. On CPU the pages are copied straight from the arena."""
+        items = list(zip(objs.offsets, objs.blocks, objs.skips))
+        if not self.dev.is_accelerator:
+            copy = plan_objects(self.plans[objs.name], items, load=True)
+            return copy, run_copy(copy, arena.view(torch.int64), self.words[objs.name], self.dev.device), None
+        spans, staged = _spans(objs.offsets, objs.sizes)
+        total = sum(e - s for s, e in spans)
+        staging = torch.empty(-(-total // WORD) * WORD, dtype=torch.uint8, device=self.dev.device)
+        pos = 0
+        for s, e in spans:
+            staging[pos:pos + e - s].copy_(arena[s:e], non_blocking=True)
+            pos += e - s
+        copy = plan_objects(self.plans[objs.name], [(staged[i], b, k) for i, (_, b, k) in enumerate(items)],
+                            load=True)
+        sums = run_copy(copy, staging.view(torch.int64), self.words[objs.name], self.dev.device)
+        return copy, sums, staging
+
+    def _check(self, arena, objs: LayerObjects, event, sums, copy, keep, ready) -> None:
         if event is not None:
             event.synchronize()
         got = np.asarray(object_sums(copy, sums.cpu().numpy(), len(objs.offsets)))
-        bad = np.flatnonzero(stored_sums(arena, objs.offsets) != got).tolist()
+        stored = stored_sums(arena, objs.offsets)  # objects with a CRC32 were checked on the host
+        bad = np.flatnonzero((stored >= 0) & (stored != got)).tolist()
         ready(objs.name, event, bad)
 
     # -- saves --------------------------------------------------------------------
     def save_layer(self, arena: torch.Tensor, objs: LayerObjects, after) -> QueuedSave:
         """Queue the copy of one layer's objects into their arena slots once ``after``
-        (an event on the compute stream) has passed."""
-        copy = plan_objects(self.plans[objs.name], list(zip(objs.offsets, objs.blocks, objs.skips)),
-                            load=False)
+        (an event on the compute stream) has passed. On an accelerator a kernel gathers
+        the pages into device memory (summing them) and the copy engine moves each
+        payload into its slot."""
+        items = list(zip(objs.offsets, objs.blocks, objs.skips))
         with self.dev.use(self.save_stream):
             self.dev.wait(after, self.save_stream)
-            sums = run_copy(copy, self.words[objs.name], self._arena_src(arena), self.dev.device,
-                            self.save_stream)
+            if not self.dev.is_accelerator:
+                copy = plan_objects(self.plans[objs.name], items, load=False)
+                sums = run_copy(copy, self.words[objs.name], arena.view(torch.int64), self.dev.device)
+                return QueuedSave(objs, None, sums, copy)
+            payloads = [size - HEADER_BYTES for size in objs.sizes]
+            starts = np.concatenate([[0], np.cumsum(payloads)[:-1]]).astype(np.int64).tolist()
+            staging = torch.empty(-(-sum(payloads) // WORD) * WORD, dtype=torch.uint8, device=self.dev.device)
+            copy = plan_objects(self.plans[objs.name], [(p, b, k) for p, (_, b, k) in zip(starts, items)],
+                                load=False, header=0)
+            sums = run_copy(copy, self.words[objs.name], staging.view(torch.int64), self.dev.device)
+            for off, start, n in zip(objs.offsets, starts, payloads):
+                off += HEADER_BYTES
+                arena[off:off + n].copy_(staging[start:start + n], non_blocking=True)
             done = self.dev.record(self.save_stream)
-        return QueuedSave(objs, done, sums, copy)
+        return QueuedSave(objs, done, sums, copy, staging)
 
     def finish_save(self, q: QueuedSave) -> list[int]:
         """Wait for a queued save; returns each object's folded word checksum."""
         if q.done is not None:
             q.done.synchronize()
         return object_sums(q.copy, q.sums.cpu().numpy(), len(q.objs.offsets))
+
+
+def _spans(offsets: list[int], sizes: list[int], gap: int = 4096) -> tuple[list[tuple[int, int]], list[int]]:
+    """Runs of nearly adjacent objects (gaps up to ``gap`` bytes are read along), and
+    where each object lands in the concatenation of the runs."""
+    order = sorted(range(len(offsets)), key=offsets.__getitem__)
+    spans: list[list[int]] = []
+    for i in order:
+        if spans and offsets[i] <= spans[-1][1] + gap:
+            spans[-1][1] = max(spans[-1][1], offsets[i] + sizes[i])
+        else:
+            spans.append([offsets[i], offsets[i] + sizes[i]])
+    staged, base, k = [0] * len(offsets), 0, 0
+    for i in order:
+        while offsets[i] >= spans[k][1]:
+            base += spans[k][1] - spans[k][0]
+            k += 1
+        staged[i] = base + offsets[i] - spans[k][0]
+    return [tuple(s) for s in spans], staged
 
 
 def stored_sums(arena: torch.Tensor, offsets: list[int]) -> np.ndarray:

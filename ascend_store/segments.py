@@ -126,10 +126,12 @@ class LayerCopy:
     payload_word: np.ndarray  # each segment's word offset within its object's payload
 
 
-def plan_objects(plan: PagePlan, objects: list[tuple[int, list[int], int]], load: bool) -> LayerCopy:
-    """``objects``: (arena byte offset of the object, block ids, pages to skip). A load
-    copies arena -> cache (skipped pages are read for the checksum only: dst -1); a save
-    copies cache -> arena. Built with numpy: a layer has thousands of segments."""
+def plan_objects(plan: PagePlan, objects: list[tuple[int, list[int], int]], load: bool,
+                 header: int = HEADER_BYTES) -> LayerCopy:
+    """``objects``: (byte offset of the object, block ids, pages to skip); its payload
+    starts ``header`` bytes further. A load copies objects -> cache (skipped pages are
+    read for the checksum only: dst -1); a save copies cache -> objects. Built with
+    numpy: a layer has thousands of segments."""
     per_page = len(plan.offsets)
     seg_words = plan.seg_bytes // WORD
     offs = np.asarray([o for o, _, _ in objects], dtype=np.int64)
@@ -139,7 +141,7 @@ def plan_objects(plan: PagePlan, objects: list[tuple[int, list[int], int]], load
     page = np.arange(len(obj), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     seg = np.arange(per_page, dtype=np.int64)
     payload = (page[:, None] * per_page + seg[None, :]) * seg_words  # words into the payload
-    arena = (offs[obj] + HEADER_BYTES)[:, None] // WORD + payload
+    arena = (offs[obj] + header)[:, None] // WORD + payload
     seg_off = np.asarray(plan.offsets, dtype=np.int64)
     cache = (plan.origin + blocks * plan.block_stride)[:, None] // WORD + seg_off[None, :] // WORD
     cache = np.where(blocks[:, None] >= 0, cache, -1)
@@ -159,9 +161,9 @@ def object_sums(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> list[i
     return fold_array(s1, s2).tolist()
 
 
-def run_copy(copy: LayerCopy, src, dst, device: torch.device, stream=None) -> torch.Tensor:
-    """Queue the copy (Triton on CUDA, torch ops elsewhere); returns the per-segment
-    [n, 2] int64 sums tensor (on ``device``; valid once the queued work is done)."""
+def run_copy(copy: LayerCopy, src, dst, device: torch.device) -> torch.Tensor:
+    """Queue the copy on the current stream (Triton on CUDA, torch ops elsewhere); returns
+    the per-segment [n, 2] int64 sums (on ``device``; valid once the queued work is done)."""
     n = len(copy.src)
     sums = torch.zeros((n, 2), dtype=torch.int64, device=device)
     if n == 0:

@@ -1,20 +1,23 @@
 """How much of a pool load the layerwise pipeline hides behind the forward (GPU).
 
-A synthetic forward with each layer's real work for Llama-3-8B geometry (QKV and output
-projections, attention of the new tokens over the cached prefix read from the paged
-cache, the gated MLP; bf16), fed by the connector's own load pipeline
-(``ascend_store.device_path.DevicePath``: one Triton copy per layer from the pinned
-arena on a side stream, checksums checked per layer; the compute stream waits on each
-layer's event before that layer runs). For each case, in one run:
+A synthetic forward with each layer's real work for Llama-3-8B and Qwen2.5-7B geometry
+(QKV and output projections, attention of the new tokens over the cached prefix read
+from the paged cache, the gated MLP; bf16), fed by the connector's own load pipeline
+(``ascend_store.device_path.DevicePath``: per layer, DMA of the objects from the pinned
+arena and one scatter-and-sum kernel, on a side stream, checksums checked per layer; the
+compute stream waits on each layer's event before that layer runs). For each case, in
+one run:
 
   ceiling    one pinned host->device copy of the same bytes (the link's limit)
   load       the pipeline alone: all layers' objects into the cache
+  save       the save path alone: all layers' blocks into their object slots
   compute    the forward alone
   overlap    the forward with the load running under it
   hidden     (load + compute - overlap) / load: the share of the load that cost no time
 
 Runs with torch, triton and this package only (no vLLM):
-    python benchmarks/layerwise.py [--cached 4096 16384 32768] [--new 512 2048] [--json out.json]
+    python benchmarks/layerwise.py [--cached 4096 16384 32768] [--new 512 2048] [--geometry ...]
+                                   [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,9 +38,18 @@ from ascend_store.codecs import get_codec  # noqa: E402
 from ascend_store.device_path import DevicePath, LayerObjects  # noqa: E402
 from ascend_store.transfer import HEADER_BYTES, LayerLayout, object_bytes, seal  # noqa: E402
 
-LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, BLOCK = 32, 4096, 32, 8, 128, 14336, 16
-CHUNK_BLOCKS = 16  # blocks per pool object (chunk_size 256 tokens)
+# name: (layers, hidden, heads, kv heads, head dim, ffn, block size); objects of 256 tokens
+GEOMETRIES = {"llama3-8b/b16": (32, 4096, 32, 8, 128, 14336, 16),
+              "qwen2.5-7b/b128": (28, 3584, 28, 4, 128, 18944, 128)}
+CHUNK_TOKENS = 256
 ALIGN = 512
+LAYERS = HIDDEN = HEADS = KV_HEADS = HEAD_DIM = FFN = BLOCK = CHUNK_BLOCKS = 0  # set by use()
+
+
+def use(geometry: str) -> None:
+    global LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, BLOCK, CHUNK_BLOCKS
+    LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, BLOCK = GEOMETRIES[geometry]
+    CHUNK_BLOCKS = CHUNK_TOKENS // BLOCK
 
 
 def aligned(n: int) -> int:
@@ -134,6 +146,14 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda") -> dict
         sync(dev)
         return time.perf_counter() - t0
 
+    saver = DevicePath(dev, layouts)  # saves go to a second arena: the loads' stays intact
+    save_map = mmap.mmap(-1, size)
+    save_arena = saver.arena(0, save_map)
+
+    def save_all():  # every layer's blocks into its object slots, as a prefill would
+        for q in [saver.save_layer(save_arena, objs, None) for objs in layers]:
+            saver.finish_save(q)
+
     def load_only():
         ev = {n: threading.Event() for n in names}
         load(ev)
@@ -155,16 +175,20 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda") -> dict
         for _ in range(LAYERS):
             dst.copy_(pinned, non_blocking=True)
 
-    for fn in (ceiling, load_only, forward, overlap):  # warm up (Triton compile, cuBLAS)
+    for fn in (ceiling, save_all, load_only, forward, overlap):  # warm up (Triton compile, cuBLAS)
         timed(fn)
     med = lambda fn: sorted(timed(fn) for _ in range(reps))[reps // 2]  # noqa: E731
     t_ceil, t_load, t_comp, t_over = med(ceiling), med(load_only), med(forward), med(overlap)
+    t_save = med(save_all)
     hidden = max(0.0, min(1.0, (t_load + t_comp - t_over) / t_load))
     path.close()
+    saver.close()
     arena_map.close()
+    save_map.close()
     return {"cached": cached, "new": new, "kv_gb": kv_bytes / 1e9, "ceiling_ms": t_ceil * 1e3,
             "ceiling_gbs": kv_bytes / t_ceil / 1e9, "load_ms": t_load * 1e3,
             "load_gbs": kv_bytes / t_load / 1e9, "load_pct_ceiling": 100 * t_ceil / t_load,
+            "save_gbs": kv_bytes / t_save / 1e9, "save_pct_ceiling": 100 * t_ceil / t_save,
             "compute_ms": t_comp * 1e3, "overlap_ms": t_over * 1e3, "hidden_pct": 100 * hidden}
 
 
@@ -175,20 +199,22 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the same code (slow)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--geometry", nargs="+", default=list(GEOMETRIES), choices=list(GEOMETRIES))
     args = ap.parse_args()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"{name}; Llama-3-8B geometry ({LAYERS} layers, {KV_HEADS} KV heads x "
-          f"{HEAD_DIM}, block {BLOCK}, {CHUNK_BLOCKS} blocks per object, bf16); checksums on")
-    cols = ("cached", "new", "kv_gb", "ceiling_gbs", "load_gbs", "load_pct_ceiling", "load_ms", "compute_ms",
-            "overlap_ms", "hidden_pct")
+    print(f"{name}; objects of {CHUNK_TOKENS} tokens, bf16, checksums on")
+    cols = ("geometry", "cached", "new", "kv_gb", "ceiling_gbs", "load_gbs", "load_pct_ceiling", "save_gbs",
+            "save_pct_ceiling", "load_ms", "compute_ms", "overlap_ms", "hidden_pct")
     print(" ".join(f"{c:>16}" for c in cols))
     rows = []
-    for cached in args.cached:
-        for new in args.new:
-            r = run_case(cached, new, args.reps, args.device)
-            rows.append(r)
-            print(" ".join(f"{r[c]:>16.2f}" if isinstance(r[c], float) else f"{r[c]:>16}" for c in cols),
-                  flush=True)
+    for geometry in args.geometry:
+        use(geometry)
+        for cached in args.cached:
+            for new in args.new:
+                r = {"geometry": geometry, **run_case(cached, new, args.reps, args.device)}
+                rows.append(r)
+                print(" ".join(f"{r[c]:>16.2f}" if isinstance(r[c], float) else f"{r[c]:>16}" for c in cols),
+                      flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "rows": rows}, f, indent=1)

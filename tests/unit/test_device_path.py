@@ -101,3 +101,11 @@ def test_a_flipped_byte_fails_only_its_object(device):
     path.load_layers(arena, list(objs.values()), True, lambda n, ev, bad: results.setdefault(n, bad))
     assert results == {"a": [], "b": [1]}
     path.close()
+
+
+def test_adjacent_slots_are_read_in_one_run():
+    from ascend_store.device_path import _spans
+
+    spans, staged = _spans([1024, 0, 9000, 520, 20000], [500, 500, 500, 500, 500])
+    assert spans == [(0, 1524), (9000, 9500), (20000, 20500)]
+    assert staged == [1024, 0, 1524, 520, 2024]
