@@ -9,10 +9,9 @@ over the link directly would hold SMs for the whole transfer and slow the forwar
 meant to hide behind (measured: docs/benchmarks.md). The compute stream never waits on
 the host:
 
-- load: layer i+1's copy is queued before layer i is checked, so the link stays busy;
-  ``ready(layer, event)`` hands each layer's event to the worker, whose
-  ``wait_for_layer_load`` makes the compute stream wait on it. With checksums on, a
-  layer is handed over once its copy is done and its objects' sums match the headers.
+- load: ``ready(layer, event)`` hands each layer's event to the worker as soon as its
+  copy is queued; ``wait_for_layer_load`` makes the compute stream wait on it. The sums
+  are compared on the host behind the forward, and a mismatch becomes a failed load.
 - save: the copy of a layer starts from an event recorded on the compute stream right
   after the layer wrote its KV; the headers (with the sums the copy accumulated) are
   written when the copy is done, before the objects are committed.
@@ -96,12 +95,18 @@ class DevicePath:
             self._arena = None
 
     # -- loads --------------------------------------------------------------------
-    def load_layers(self, arena: torch.Tensor, layers: list[LayerObjects], verify: bool,
-                    ready: Callable[[str, object, list[int]], None],
+    def load_layers(self, arena: torch.Tensor, layers, verify: bool,
+                    ready: Callable[[str, object], None], failed: Callable[[str, list[int]], None],
                     cancelled: Callable[[], bool] = lambda: False) -> None:
-        """Copy every layer's objects into the cache, in order. ``ready(name, event,
-        bad)`` is called per layer with the event its copy completes on and the indexes
-        of objects whose checksum did not match (their pages must not be used)."""
+        """Copy every layer's objects (an iterable of LayerObjects, built lazily so a
+        layer's host-side checks run just before its copy) into the cache, in order.
+
+        ``ready(name, event)`` follows each layer's enqueue: the forward may go on as soon
+        as its stream waits on ``event``, nothing waits on the host. The checksums are
+        compared afterwards, the previous layer's while the next one copies, and
+        ``failed(name, indexes)`` names objects that did not match: their blocks must be
+        reported as failed loads (vLLM then recomputes them and drops the step's output
+        for their requests), so a bad object costs a recompute, never a wrong token."""
         queued: deque = deque()
         for objs in layers:
             if cancelled():
@@ -109,14 +114,13 @@ class DevicePath:
             with self.dev.use(self.load_stream):
                 copy, sums, keep = self._load_layer(arena, objs)
                 event = self.dev.record(self.load_stream)
-            if not verify:
-                ready(objs.name, event, [])
-                continue
-            queued.append((objs, event, sums, copy, keep))
+            ready(objs.name, event)
+            if verify:
+                queued.append((objs, event, sums, copy, keep))
             if len(queued) > 1:  # check the previous layer while this one copies
-                self._check(arena, *queued.popleft(), ready)
+                self._check(arena, *queued.popleft(), failed)
         while queued:
-            self._check(arena, *queued.popleft(), ready)
+            self._check(arena, *queued.popleft(), failed)
 
     def _load_layer(self, arena: torch.Tensor, objs: LayerObjects):
         """Queue one layer's copy. On an accelerator the copy engine moves the objects into
@@ -139,13 +143,14 @@ class DevicePath:
         sums = run_copy(copy, staging.view(torch.int64), self.words[objs.name], self.dev.device)
         return copy, sums, staging
 
-    def _check(self, arena, objs: LayerObjects, event, sums, copy, keep, ready) -> None:
+    def _check(self, arena, objs: LayerObjects, event, sums, copy, keep, failed) -> None:
         if event is not None:
             event.synchronize()
         got = np.asarray(object_sums(copy, sums.cpu().numpy(), len(objs.offsets)))
         stored = stored_sums(arena, objs.offsets)  # objects with a CRC32 were checked on the host
         bad = np.flatnonzero((stored >= 0) & (stored != got)).tolist()
-        ready(objs.name, event, bad)
+        if bad:
+            failed(objs.name, bad)
 
     # -- saves --------------------------------------------------------------------
     def save_layer(self, arena: torch.Tensor, objs: LayerObjects, after) -> QueuedSave:

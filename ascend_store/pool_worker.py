@@ -289,50 +289,55 @@ class PoolWorker:
                 pass  # the pool drops our leases when their TTL ends
 
     def _load_on_device(self, job: _LoadJob, arena: torch.Tensor, by_layer: dict, corrupt: set[int]) -> None:
-        """Check headers on the host, then one batched copy per layer on the load stream;
-        each layer's event goes to ``wait_for_layer_load``."""
-        layers, owners = [], {}
-        for name in self.order:
-            objs = LayerObjects(name, [], [], [], [], [])
-            owners[name] = []
-            for j, key, slot in by_layer.get(name, ()):
-                if j in job.failed:
-                    continue
-                if slot.status is not Status.OK:
-                    self.counters["load_missing"] += 1
-                    job.failed.add(j)
-                    continue
-                ld = job.loads[j]
-                try:
-                    if 0 in ld.block_ids:
-                        raise CorruptObject(f"{key}: no block allocated for it")
-                    check_header(arena[slot.offset:slot.offset + slot.size], self.layouts[name], key,
-                                 self._object_blocks(name), self.cfg.verify_checksum, self.codecs[name],
-                                 payload_checked_later=True)
-                except CorruptObject as exc:
-                    self._rejected(job, j, corrupt, exc)
-                    continue
-                objs.offsets.append(slot.offset)
-                objs.sizes.append(slot.size)
-                objs.blocks.append(ld.block_ids)
-                objs.skips.append(ld.skip)
-                objs.keys.append(key)
-                owners[name].append(j)
-            layers.append(objs)
+        """Per layer: check headers on the host, queue one batched copy on the load stream
+        and hand its event to ``wait_for_layer_load``; checksums are compared behind the
+        forward and a mismatch fails its chunk (reported at the end of the step)."""
+        owners: dict[str, list[tuple[int, str, int]]] = {}
 
-        def ready(name: str, event, bad: list[int]) -> None:
-            for i in bad:
-                self._rejected(job, owners[name][i], corrupt,
-                               CorruptObject(f"{layers_by_name[name].keys[i]}: checksum mismatch"))
-            sizes = layers_by_name[name].sizes
-            good = [i for i in range(len(sizes)) if i not in set(bad)]
-            self.counters["loaded_objects"] += len(good)
-            self.counters["loaded_bytes"] += sum(sizes[i] for i in good)
+        def layers():
+            for name in self.order:
+                objs = LayerObjects(name, [], [], [], [], [])
+                owners[name] = []
+                for j, key, slot in by_layer.get(name, ()):
+                    if j in job.failed:
+                        continue
+                    if slot.status is not Status.OK:
+                        self.counters["load_missing"] += 1
+                        job.failed.add(j)
+                        continue
+                    ld = job.loads[j]
+                    try:
+                        if 0 in ld.block_ids:
+                            raise CorruptObject(f"{key}: no block allocated for it")
+                        check_header(arena[slot.offset:slot.offset + slot.size], self.layouts[name], key,
+                                     self._object_blocks(name), self.cfg.verify_checksum,
+                                     self.codecs[name], payload_checked_later=True)
+                    except CorruptObject as exc:
+                        self._rejected(job, j, corrupt, exc)
+                        continue
+                    objs.offsets.append(slot.offset)
+                    objs.sizes.append(slot.size)
+                    objs.blocks.append(ld.block_ids)
+                    objs.skips.append(ld.skip)
+                    objs.keys.append(key)
+                    owners[name].append((j, key, slot.size))
+                    self.counters["loaded_objects"] += 1
+                    self.counters["loaded_bytes"] += slot.size
+                yield objs
+
+        def ready(name: str, event) -> None:
             job.device_events[name] = event
             job.events[name].set()
 
-        layers_by_name = {o.name: o for o in layers}
-        self.device_path.load_layers(arena, layers, self.cfg.verify_checksum, ready, lambda: job.cancelled)
+        def failed(name: str, bad: list[int]) -> None:
+            for i in bad:
+                j, key, size = owners[name][i]
+                self.counters["loaded_objects"] -= 1
+                self.counters["loaded_bytes"] -= size
+                self._rejected(job, j, corrupt, CorruptObject(f"{key}: checksum mismatch"))
+
+        self.device_path.load_layers(arena, layers(), self.cfg.verify_checksum, ready, failed,
+                                     lambda: job.cancelled)
 
     def _rejected(self, job: _LoadJob, j: int, corrupt: set[int], exc: CorruptObject) -> None:
         self.counters["load_corrupt"] += 1

@@ -133,11 +133,14 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda") -> dict
         return x
 
     def load(events):
-        def ready(name, ev, bad):
-            assert not bad, f"{name}: {len(bad)} objects failed their checksum"
+        def ready(name, ev):
             events[name + "/ev"] = ev
             events[name].set()
-        path.load_layers(arena, layers, True, ready)
+
+        def failed(name, bad):
+            raise AssertionError(f"{name}: {len(bad)} objects failed their checksum")
+
+        path.load_layers(arena, layers, True, ready, failed)
 
     def timed(fn) -> float:
         sync(dev)
