@@ -12,6 +12,7 @@ the host:
 - load: ``ready(layer, event)`` hands each layer's event to the worker as soon as its
   copy is queued; ``wait_for_layer_load`` makes the compute stream wait on it. The sums
   are compared on the host behind the forward, and a mismatch becomes a failed load.
+  Up to ``window`` layers are in flight, so host hiccups leave no gap on the link.
 - save: the copy of a layer starts from an event recorded on the compute stream right
   after the layer wrote its KV; the headers (with the sums the copy accumulated) are
   written when the copy is done, before the objects are committed.
@@ -64,8 +65,11 @@ class QueuedSave:
 
 
 class DevicePath:
-    def __init__(self, device: torch.device, layouts: dict[str, LayerLayout]):
+    def __init__(self, device: torch.device, layouts: dict[str, LayerLayout], window: int = 4):
         self.dev = Device(device)
+        # Layers a load may have in flight: enough slack that a slow host (the GIL, a
+        # busy forward thread) leaves no gap on the link, few enough to bound staging.
+        self.window = window
         self.layouts = layouts
         self.plans = {name: page_plan(layout) for name, layout in layouts.items()}
         words = {}
@@ -111,16 +115,15 @@ class DevicePath:
         for objs in layers:
             if cancelled():
                 break
+            if len(queued) >= self.window:  # bounds the staging memory in flight
+                self._check(arena, *queued.popleft(), failed, verify)
             with self.dev.use(self.load_stream):
                 copy, sums, keep = self._load_layer(arena, objs)
                 event = self.dev.record(self.load_stream)
             ready(objs.name, event)
-            if verify:
-                queued.append((objs, event, sums, copy, keep))
-            if len(queued) > 1:  # check the previous layer while this one copies
-                self._check(arena, *queued.popleft(), failed)
+            queued.append((objs, event, sums, copy, keep))
         while queued:
-            self._check(arena, *queued.popleft(), failed)
+            self._check(arena, *queued.popleft(), failed, verify)
 
     def _load_layer(self, arena: torch.Tensor, objs: LayerObjects):
         """Queue one layer's copy. On an accelerator the copy engine moves the objects into
@@ -143,9 +146,11 @@ class DevicePath:
         sums = run_copy(copy, staging.view(torch.int64), self.words[objs.name], self.dev.device)
         return copy, sums, staging
 
-    def _check(self, arena, objs: LayerObjects, event, sums, copy, keep, failed) -> None:
+    def _check(self, arena, objs: LayerObjects, event, sums, copy, keep, failed, verify: bool) -> None:
         if event is not None:
             event.synchronize()
+        if not verify:
+            return
         got = np.asarray(object_sums(copy, sums.cpu().numpy(), len(objs.offsets)))
         stored = stored_sums(arena, objs.offsets)  # objects with a CRC32 were checked on the host
         bad = np.flatnonzero((stored >= 0) & (stored != got)).tolist()
