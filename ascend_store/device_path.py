@@ -151,7 +151,7 @@ class DevicePath:
             event.synchronize()
         if not verify:
             return
-        got = np.asarray(object_sums(copy, sums.cpu().numpy(), len(objs.offsets)))
+        got = np.asarray(object_sums(copy, sums.numpy(), len(objs.offsets)))
         stored = stored_sums(arena, objs.offsets)  # objects with a CRC32 were checked on the host
         bad = np.flatnonzero((stored >= 0) & (stored != got)).tolist()
         if bad:
@@ -186,7 +186,7 @@ class DevicePath:
         """Wait for a queued save; returns each object's folded word checksum."""
         if q.done is not None:
             q.done.synchronize()
-        return object_sums(q.copy, q.sums.cpu().numpy(), len(q.objs.offsets))
+        return object_sums(q.copy, q.sums.numpy(), len(q.objs.offsets))
 
 
 def _spans(offsets: list[int], sizes: list[int], gap: int = 4096) -> tuple[list[tuple[int, int]], list[int]]:

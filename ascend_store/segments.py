@@ -163,15 +163,23 @@ def object_sums(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> list[i
 
 def run_copy(copy: LayerCopy, src, dst, device: torch.device) -> torch.Tensor:
     """Queue the copy on the current stream (Triton on CUDA, torch ops elsewhere); returns
-    the per-segment [n, 2] int64 sums (on ``device``; valid once the queued work is done)."""
+    the per-segment [n, 2] int64 sums in host memory, valid once the queued work is done
+    (on CUDA they come back on the same stream, so the host never blocks here)."""
     n = len(copy.src)
-    sums = torch.zeros((n, 2), dtype=torch.int64, device=device)
-    if n == 0:
-        return sums
-    if device.type == "cuda":
-        offs = torch.from_numpy(np.stack([copy.src, copy.dst])).to(device, non_blocking=True)
-        kernels.copy_segments_sum(src, dst, offs[0], offs[1], sums, copy.seg_words)
-    else:
+    if device.type != "cuda":
+        sums = torch.zeros((n, 2), dtype=torch.int64)
         kernels.copy_segments_sum_torch(src, dst, copy.src.tolist(), copy.dst.tolist(), sums,
                                         copy.seg_words)
-    return sums
+        return sums
+    host = torch.empty((n, 2), dtype=torch.int64, pin_memory=True)
+    if n == 0:
+        host.zero_()
+        return host
+    # Pinned staging for the offsets too: a copy from pageable memory may block the host.
+    offs = torch.empty((2, n), dtype=torch.int64, pin_memory=True)
+    offs.numpy()[0], offs.numpy()[1] = copy.src, copy.dst
+    offs = offs.to(device, non_blocking=True)
+    sums = torch.zeros((n, 2), dtype=torch.int64, device=device)
+    kernels.copy_segments_sum(src, dst, offs[0], offs[1], sums, copy.seg_words)
+    host.copy_(sums, non_blocking=True)
+    return host

@@ -87,14 +87,14 @@ def sync(dev) -> None:
         torch.cuda.synchronize()
 
 
-def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda") -> dict:
+def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", window: int = 4) -> dict:
     dev = torch.device(device)
     nblocks = cached // BLOCK
     caches = [torch.zeros(2, nblocks + 8, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
               for _ in range(LAYERS)]
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     layouts = {n: LayerLayout(c, 1, (KV_HEADS, BLOCK, HEAD_DIM)) for n, c in zip(names, caches)}
-    path = DevicePath(dev, layouts)
+    path = DevicePath(dev, layouts, window)
     raw = get_codec("raw")
     per_obj = object_bytes(layouts[names[0]], CHUNK_BLOCKS, raw)
     obj = aligned(per_obj)
@@ -202,6 +202,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the same code (slow)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--window", type=int, default=4, help="layers a load keeps in flight")
     ap.add_argument("--geometry", nargs="+", default=list(GEOMETRIES), choices=list(GEOMETRIES))
     args = ap.parse_args()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
@@ -214,7 +215,7 @@ def main() -> None:
         use(geometry)
         for cached in args.cached:
             for new in args.new:
-                r = {"geometry": geometry, **run_case(cached, new, args.reps, args.device)}
+                r = {"geometry": geometry, **run_case(cached, new, args.reps, args.device, args.window)}
                 rows.append(r)
                 print(" ".join(f"{r[c]:>16.2f}" if isinstance(r[c], float) else f"{r[c]:>16}" for c in cols),
                       flush=True)
