@@ -1,0 +1,183 @@
+"""Time to first token on a GPU: pool hits against recompute and the peers (issue 9).
+
+For a random-weight Llama of a given geometry (vLLM's dummy weights, the same in every
+engine), prompts of 4K/16K/32K random tokens, ``max_tokens=1``, each configuration in a
+fresh engine process:
+  recompute      no connector, prefix caching off
+  native         vLLM's CPU offloading (kv_offloading_backend="native"), device prefix
+                 cache reset before each repetition, so the hit comes from host memory
+  lmcache        LMCache (LMCacheConnectorV1, local CPU backend), prefix cache reset likewise
+  ascend-*       this connector on the embedded pool, prefix caching off: layerwise on/off,
+                 codec raw/int8
+Each prompt is sent once to fill the cache, then timed over ``--reps`` repetitions (median
+reported). The first sampled token of every configuration is compared with recompute's.
+The link floor is the KV bytes of the prompt over the pinned-copy bandwidth measured here.
+
+Needs vLLM (on the GPU machine: the offline kit of ../shared/gpu-kit) and, for lmcache,
+LMCache 0.5.3:  python benchmarks/e2e_gpu.py --geometry 1b 7b --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+# name: (layers, hidden, heads, kv heads, head dim, ffn)
+GEOMETRIES = {"1b": (16, 2048, 32, 8, 64, 8192), "7b": (28, 3584, 28, 4, 128, 18944),
+              "tiny": (2, 256, 4, 2, 64, 512)}  # tiny: a smoke run of this script on CPU
+ASCEND = {"kv_connector": "AscendStoreConnector", "kv_connector_module_path": "ascend_store.connector",
+          "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+CONFIGS = {
+    "recompute": {},
+    "native": {"engine": {"enable_prefix_caching": True, "kv_offloading_size": 16,
+                          "kv_offloading_backend": "native"}, "reset": True},
+    "lmcache": {"engine": {"enable_prefix_caching": True}, "reset": True,
+                "kv": {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+                "env": {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_CHUNK_SIZE": "256",
+                        "LMCACHE_MAX_LOCAL_CPU_SIZE": "20", "PYTHONHASHSEED": "0"}},
+    "ascend-layerwise-raw": {"kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True}}},
+    "ascend-whole-raw": {"kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": False}}},
+    "ascend-layerwise-int8": {"kv": {**ASCEND, "kv_connector_extra_config": {
+        "use_layerwise": True, "codec": "int8"}}},
+}
+
+
+def model_dir(geometry: str) -> str:
+    """A config-only model directory (weights come from vLLM's dummy loader)."""
+    layers, hidden, heads, kv, hd, ffn = GEOMETRIES[geometry]
+    path = os.path.join(tempfile.gettempdir(), f"ascend-e2e-{geometry}")
+    os.makedirs(path, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+           "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv, "head_dim": hd, "vocab_size": 32000, "max_position_embeddings": 40960,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "bos_token_id": 1,
+           "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def child(spec: dict) -> None:
+    """One engine, one configuration: prints a RESULT line."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    conf = CONFIGS[spec["config"]]
+    kwargs = dict(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                  max_model_len=max(spec["tokens"]) + 64, enforce_eager=True, seed=0,
+                  enable_prefix_caching=False, max_num_batched_tokens=8192)
+    if spec.get("gpu", True):
+        kwargs["gpu_memory_utilization"] = 0.8
+    else:  # the CPU smoke run
+        kwargs.update(distributed_executor_backend="uni", block_size=128)
+    kwargs.update(conf.get("engine", {}))
+    if conf.get("kv"):
+        kv = dict(conf["kv"])
+        if kv.get("kv_connector") == "AscendStoreConnector":
+            extra = dict(kv.get("kv_connector_extra_config", {}))
+            extra["local"] = {"socket": os.path.join(spec["tmp"], "pool.sock"), "capacity": "24GiB"}
+            kv["kv_connector_extra_config"] = extra
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    out = {}
+    for n in spec["tokens"]:
+        rng = random.Random(n)
+        prompt = TokensPrompt(prompt_token_ids=[rng.randrange(3, 32000) for _ in range(n)])
+        first = llm.generate([prompt], params, use_tqdm=False)[0]  # computes; fills the cache
+        time.sleep(1.0)  # a save still draining would turn the first timed hit into a miss
+        times, tokens, cached = [], [], []
+        for _ in range(spec["reps"]):
+            if conf.get("reset"):
+                llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            o = llm.generate([prompt], params, use_tqdm=False)[0]
+            times.append(time.perf_counter() - t0)
+            tokens.append(o.outputs[0].token_ids[0])
+            cached.append(o.num_cached_tokens or 0)
+        out[n] = {"ttft_ms": sorted(times)[len(times) // 2] * 1e3, "all_ms": [t * 1e3 for t in times],
+                  "token": tokens, "first_token": first.outputs[0].token_ids[0], "cached": cached}
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def link_gbs() -> float:
+    import torch
+
+    if not torch.cuda.is_available():
+        return float("nan")
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 3 * src.numel() / (time.perf_counter() - t0) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--geometry", nargs="+", default=["1b"], choices=list(GEOMETRIES))
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--json")
+    ap.add_argument("--child")
+    args = ap.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return
+    gbs = link_gbs()
+    print(f"pinned host->device copy: {gbs:.1f} GB/s", flush=True)
+    results = {"link_gbs": gbs, "runs": {}}
+    for geometry in args.geometry:
+        layers, _, _, kv, hd, _ = GEOMETRIES[geometry]
+        kv_per_token = 2 * layers * kv * hd * 2
+        for name in args.configs:
+            tmp = tempfile.mkdtemp(prefix="ascend-e2e-")
+            spec = {"config": name, "model": model_dir(geometry), "tokens": args.tokens, "reps": args.reps,
+                    "tmp": tmp, "gpu": gbs == gbs}
+            env = {**os.environ, **CONFIGS[name].get("env", {}),
+                   "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
+                                      capture_output=True, text=True, timeout=args.timeout)
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                got = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-3000:]}
+            except subprocess.TimeoutExpired as exc:
+                got = {"error": f"timeout after {args.timeout}s: {(exc.stderr or b'')[-2000:]!r}"}
+            got["wall_s"] = time.perf_counter() - t0
+            results["runs"][f"{geometry}/{name}"] = got
+            if "error" in got:
+                print(f"{geometry:>3} {name:<22} FAILED: {got['error'][-1500:]}", flush=True)
+            else:
+                cells = " ".join(f"{n // 1024}K {got[str(n)]['ttft_ms']:7.1f} ms "
+                                 f"(hit {got[str(n)]['cached'][0]})" for n in args.tokens)
+                print(f"{geometry:>3} {name:<22} {cells}", flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
+        base = results["runs"].get(f"{geometry}/recompute", {})
+        for n in args.tokens:
+            floor = n * kv_per_token / gbs / 1e6
+            same = {name: r[str(n)]["token"][0] == base[str(n)]["token"][0]
+                    for key, r in results["runs"].items() if key.startswith(geometry + "/")
+                    for name in [key.split("/")[1]] if "error" not in r and str(n) in base}
+            print(f"{geometry} {n // 1024}K: link floor {floor:.1f} ms; "
+                  f"same first token as recompute: {same}")
+
+
+if __name__ == "__main__":
+    main()
