@@ -76,7 +76,7 @@ def child(spec: dict) -> None:
                   max_model_len=max(spec["tokens"]) + 64, enforce_eager=True, seed=0,
                   enable_prefix_caching=False, max_num_batched_tokens=8192)
     if spec.get("gpu", True):
-        kwargs["gpu_memory_utilization"] = 0.8
+        kwargs.update(gpu_memory_utilization=0.8, attention_backend="FLASH_ATTN")
     else:  # the CPU smoke run
         kwargs.update(distributed_executor_backend="uni", block_size=128)
     kwargs.update(conf.get("engine", {}))
