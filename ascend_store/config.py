@@ -192,12 +192,16 @@ class LookupCacheConfig:
         return cfg
 
 
+DEFAULT_CHUNK_TOKENS = 256
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     backend: str = "local"
     use_layerwise: bool = True
-    # Tokens per pool object; a multiple of the engine's block size (0: one block).
-    chunk_size: int = 0
+    # Tokens per pool object; a multiple of the engine's block size (0: one block; unset:
+    # 256 tokens rounded up to whole blocks; smaller objects cost per-object overhead).
+    chunk_size: int | None = None
     # Bound on every backend call; a slower call counts as a failure (recompute).
     timeout_s: float = 5.0
     # How long the forward waits for one layer's load before treating it as failed.
@@ -231,8 +235,8 @@ class StoreConfig:
         if backend not in BACKENDS and not _CLASS_PATH.match(backend):
             raise ConfigError(f"backend: got {backend!r}, accepted values: {', '.join(BACKENDS)}, "
                               "or a class path 'package.module:ClassName'")
-        chunk_size = r.take("chunk_size", 0, int)
-        if chunk_size < 0:
+        chunk_size = r.take("chunk_size", None, int)
+        if chunk_size is not None and chunk_size < 0:
             raise ConfigError(f"chunk_size: must be >= 0 (0 = one block), got {chunk_size}")
         cfg = cls(
             backend=backend,
@@ -259,6 +263,8 @@ class StoreConfig:
         return cfg
 
     def chunk_tokens(self, block_size: int) -> int:
+        if self.chunk_size is None:
+            return -(-DEFAULT_CHUNK_TOKENS // block_size) * block_size
         if self.chunk_size == 0:
             return block_size
         if self.chunk_size % block_size:

@@ -58,6 +58,7 @@ CHUNK_OF_SET = {"hybrid": HYBRID_BLOCK}  # pool chunk tokens, when not BLOCK
 
 def kv_config(socket: str, role: str = "kv_both", **extra) -> dict:
     local = {"socket": socket, "capacity": "256MiB", **extra.pop("local", {})}
+    extra.setdefault("chunk_size", 0)  # one block per object: hits at block granularity
     return {"kv_connector": "AscendStoreConnector", "kv_connector_module_path": "ascend_store.connector",
             "kv_role": role, "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"local": local, **extra}}

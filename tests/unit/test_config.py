@@ -22,7 +22,7 @@ def test_defaults_from_none_and_empty():
         cfg = StoreConfig.parse(raw)
         assert cfg.backend == "local"
         assert cfg.use_layerwise is True
-        assert cfg.chunk_size == 0
+        assert cfg.chunk_size is None
         assert cfg.verify_checksum is True
         assert cfg.timeout_s > 0 and cfg.load_timeout_s > 0
         assert cfg.local.start == "auto"
@@ -141,8 +141,10 @@ def test_parse_size_rejects(value):
 
 
 def test_chunk_tokens():
-    assert StoreConfig.parse({}).chunk_tokens(16) == 16
     assert StoreConfig.parse({"chunk_size": 64}).chunk_tokens(16) == 64
+    # Unset: 256 tokens in whole blocks; 0: one block.
+    assert [StoreConfig.parse({}).chunk_tokens(b) for b in (16, 128, 384)] == [256, 256, 384]
+    assert StoreConfig.parse({"chunk_size": 0}).chunk_tokens(16) == 16
     assert StoreConfig.parse({"chunk_size": 16}).chunk_tokens(16) == 16
     for bad in (24, 8, 65):
         with pytest.raises(ConfigError, match="chunk_size.*multiple of the block size 16"):
