@@ -164,6 +164,7 @@ class PoolWorker:
                 self.device_path = DevicePath(device, self.layouts)
             except ValueError as exc:  # an unaligned layout: per-block copies still work
                 log.warning("ascend-store: batched device copies off (%s); copying block by block", exc)
+        log.info("ascend-store: copy path %s on %s", "batched" if self.device_path else "per_block", device)
 
     def _install_hybrid(self, states: dict[str, LayerLayout]) -> None:
         """Make linear-attention layers drive the layer protocol and defer the runner's

@@ -156,6 +156,8 @@ def main() -> None:
                                       capture_output=True, text=True, timeout=args.timeout)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
                 got = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-3000:]}
+                # The engine's own log (which copy path the connector took, warnings).
+                got["log"] = [ln for ln in proc.stderr.splitlines() if "ascend" in ln.lower()][-40:]
             except subprocess.TimeoutExpired as exc:
                 got = {"error": f"timeout after {args.timeout}s: {(exc.stderr or b'')[-2000:]!r}"}
             got["wall_s"] = time.perf_counter() - t0
