@@ -84,8 +84,8 @@ class PagePlan:
 def page_plan(layout: LayerLayout) -> PagePlan:
     t = layout.tensor
     size = t.element_size()
-    shape = [s for d, s in enumerate(t.shape) if d != layout.block_dim]
-    strides = [s for d, s in enumerate(t.stride()) if d != layout.block_dim]
+    page = layout.page(0)  # in memory order: a dense page is one segment
+    shape, strides = list(page.shape), list(page.stride())
     # Merge the innermost dims while they are contiguous: that run is one segment.
     inner, expect, k = 1, 1, len(shape)
     while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == expect):

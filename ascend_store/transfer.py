@@ -48,6 +48,17 @@ class LayerLayout:
     tensor: torch.Tensor
     block_dim: int
     kv_dims: tuple[int, int, int] | None = None
+    # A page's dims in memory order (by stride, outermost first): pages are stored and
+    # copied in the order their bytes sit in the cache, so a dense page is one run of
+    # bytes even when the backend's logical shape is permuted (FlashAttention's
+    # (H, N, 2D) view of an (N, H, 2D) block in vLLM 0.26).
+    order: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.order is None:
+            strides = [s for d, s in enumerate(self.tensor.stride()) if d != self.block_dim]
+            order = tuple(sorted(range(len(strides)), key=lambda d: -strides[d]))
+            object.__setattr__(self, "order", order)
 
     @classmethod
     def of(cls, tensor: torch.Tensor, num_blocks: int,
@@ -67,9 +78,8 @@ class LayerLayout:
 
     @property
     def page_shape(self) -> tuple[int, ...]:
-        shape = list(self.tensor.shape)
-        del shape[self.block_dim]
-        return tuple(shape)
+        shape = [s for d, s in enumerate(self.tensor.shape) if d != self.block_dim]
+        return tuple(shape[d] for d in self.order)
 
     @property
     def page_bytes(self) -> int:
@@ -82,11 +92,12 @@ class LayerLayout:
         return f"{self.tensor.dtype}:{'x'.join(map(str, self.page_shape))}"
 
     def page(self, block_id: int) -> torch.Tensor:
-        return self.tensor.select(self.block_dim, block_id)
+        return self.tensor.select(self.block_dim, block_id).permute(self.order)
 
     def canonical(self, page: torch.Tensor) -> torch.Tensor | None:
         """A [2, tokens, heads, head_size] view of one page, for the layouts we know:
-        FlashAttention-style [2, T, H, D] and vLLM CPU's [H, T, 2*D] (K, V side by side)."""
+        FlashAttention-style [2, T, H, D], vLLM CPU's [H, T, 2*D] and vLLM 0.26 GPU's
+        [T, H, 2*D] (K, V side by side)."""
         if self.kv_dims is None:
             return None
         h, t, d = self.kv_dims
@@ -94,6 +105,8 @@ class LayerLayout:
             return page
         if tuple(page.shape) == (h, t, 2 * d):
             return page.view(h, t, 2, d).permute(2, 1, 0, 3)
+        if tuple(page.shape) == (t, h, 2 * d):
+            return page.view(t, h, 2, d).permute(2, 0, 1, 3)
         return None
 
 

@@ -29,6 +29,10 @@ def flash_cache(dtype, gen):  # FlashAttention: [2, blocks, block, heads, head_d
     return torch.randn(2, NB, T, H, D, generator=gen).to(dtype)
 
 
+def nhd_cache(dtype, gen):  # vLLM 0.26 FlashAttention: logical [blocks, H, T, 2D], memory [blocks, T, H, 2D]
+    return torch.randn(NB, T, H, 2 * D, generator=gen).to(dtype).permute(0, 2, 1, 3)
+
+
 def with_outliers(cache: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
     """Scale a few key channels up to 30x, as real keys have outlier channels."""
     gen = torch.Generator().manual_seed(1)
@@ -59,7 +63,7 @@ def roundtrip(codec, src_layout, dst_layout, blocks, dst_blocks, skip=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("make", [cpu_cache, flash_cache], ids=["cpu", "flash"])
+@pytest.mark.parametrize("make", [cpu_cache, flash_cache, nhd_cache], ids=["cpu", "flash", "nhd"])
 def test_int8_error_within_one_percent_with_outlier_channels(dtype, make):
     gen = torch.Generator().manual_seed(0)
     src = make(dtype, gen)

@@ -38,18 +38,23 @@ def _caches():
     paged = torch.as_strided(shared, (NB, H, T, 2 * D), (2 * H * T * 2 * D, T * 2 * D, 2 * D, 1),
                              H * T * 2 * D)  # the second layer of each block
     paged.copy_(torch.randn(NB, H, T, 2 * D))
-    return {"fa": (fa, 1), "cpu": (cpu, 0), "paged": (paged, 0)}
+    # vLLM 0.26 FlashAttention: logical (blocks, H, T, 2D) over memory laid out (blocks, T, H, 2D).
+    nhd = torch.randn(NB, T, H, 2 * D, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+    return {"fa": (fa, 1), "cpu": (cpu, 0), "paged": (paged, 0), "nhd": (nhd, 0)}
 
 
-@pytest.mark.parametrize("name", ["fa", "cpu", "paged"])
+@pytest.mark.parametrize("name", ["fa", "cpu", "paged", "nhd"])
 def test_plan_segments_follow_the_page_layout(name):
+    """A page is cut where its bytes are apart, not where its logical shape says: the
+    permuted (H, T, 2D) view of a dense (T, H, 2D) block is still one segment (it was 2*H*T
+    segments of 2D elements before pages followed memory order: 6 us per token on a GPU)."""
     cache, block_dim = _caches()[name]
     plan = page_plan(LayerLayout(cache, block_dim))
     assert len(plan.offsets) == (2 if name == "fa" else 1)
     assert plan.page_bytes == cache.select(block_dim, 0).numel() * 2
 
 
-@pytest.mark.parametrize("name", ["fa", "cpu", "paged"])
+@pytest.mark.parametrize("name", ["fa", "cpu", "paged", "nhd"])
 def test_save_by_segments_equals_the_host_path_and_carries_its_checksum(name):
     cache, block_dim = _caches()[name]
     layout = LayerLayout(cache, block_dim)
