@@ -250,27 +250,9 @@ class PoolWorker:
                 if job.cancelled:
                     break
                 for j, key, slot in by_layer.get(name, ()):
-                    if j in job.failed:
-                        continue
-                    if slot.status is not Status.OK:
-                        self.counters["load_missing"] += 1
-                        job.failed.add(j)
-                        continue
-                    ld = job.loads[j]
-                    try:
-                        if 0 in ld.block_ids:  # vLLM's null block: nowhere to load to
-                            raise CorruptObject(f"{key}: no block allocated for it")
-                        read_object(arena[slot.offset:slot.offset + slot.size], self.layouts[name],
-                                    ld.block_ids, ld.skip, key, self._object_blocks(name),
-                                    self.cfg.verify_checksum, self.codecs[name])
-                    except CorruptObject as exc:
-                        self.counters["load_corrupt"] += 1
-                        log.warning("KV pool object rejected, recomputing: %s", exc)
-                        job.failed.add(j)
-                        corrupt.add(j)
-                        continue
-                    self.counters["loaded_objects"] += 1
-                    self.counters["loaded_bytes"] += slot.size
+                    self._admit(job, arena, j, key, slot, corrupt, lambda obj, ld: read_object(
+                        obj, self.layouts[name], ld.block_ids, ld.skip, key, self._object_blocks(name),
+                        self.cfg.verify_checksum, self.codecs[name]))
                 job.events[name].set()
         except Exception as exc:  # the pool is an optimization: never fail the forward
             if not isinstance(exc, BackendUnavailable):
@@ -300,30 +282,17 @@ class PoolWorker:
                 objs = LayerObjects(name, [], [], [], [], [])
                 owners[name] = []
                 for j, key, slot in by_layer.get(name, ()):
-                    if j in job.failed:
-                        continue
-                    if slot.status is not Status.OK:
-                        self.counters["load_missing"] += 1
-                        job.failed.add(j)
+                    if not self._admit(job, arena, j, key, slot, corrupt, lambda obj, ld: check_header(
+                            obj, self.layouts[name], key, self._object_blocks(name),
+                            self.cfg.verify_checksum, self.codecs[name], payload_checked_later=True)):
                         continue
                     ld = job.loads[j]
-                    try:
-                        if 0 in ld.block_ids:
-                            raise CorruptObject(f"{key}: no block allocated for it")
-                        check_header(arena[slot.offset:slot.offset + slot.size], self.layouts[name], key,
-                                     self._object_blocks(name), self.cfg.verify_checksum,
-                                     self.codecs[name], payload_checked_later=True)
-                    except CorruptObject as exc:
-                        self._rejected(job, j, corrupt, exc)
-                        continue
                     objs.offsets.append(slot.offset)
                     objs.sizes.append(slot.size)
                     objs.blocks.append(ld.block_ids)
                     objs.skips.append(ld.skip)
                     objs.keys.append(key)
                     owners[name].append((j, key, slot.size))
-                    self.counters["loaded_objects"] += 1
-                    self.counters["loaded_bytes"] += slot.size
                 yield objs
 
         def ready(name: str, event) -> None:
@@ -339,6 +308,29 @@ class PoolWorker:
 
         self.device_path.load_layers(arena, layers(), self.cfg.verify_checksum, ready, failed,
                                      lambda: job.cancelled)
+
+    def _admit(self, job: _LoadJob, arena: torch.Tensor, j: int, key: str, slot, corrupt: set[int],
+               check) -> bool:
+        """The gate every loaded object passes on either path: skip chunks that already
+        failed, count missing objects, refuse vLLM's null block, then ``check(object,
+        load)`` (which raises CorruptObject to reject it)."""
+        if j in job.failed:
+            return False
+        if slot.status is not Status.OK:
+            self.counters["load_missing"] += 1
+            job.failed.add(j)
+            return False
+        ld = job.loads[j]
+        try:
+            if 0 in ld.block_ids:  # vLLM's null block: nowhere to load to
+                raise CorruptObject(f"{key}: no block allocated for it")
+            check(arena[slot.offset:slot.offset + slot.size], ld)
+        except CorruptObject as exc:
+            self._rejected(job, j, corrupt, exc)
+            return False
+        self.counters["loaded_objects"] += 1
+        self.counters["loaded_bytes"] += slot.size
+        return True
 
     def _rejected(self, job: _LoadJob, j: int, corrupt: set[int], exc: CorruptObject) -> None:
         self.counters["load_corrupt"] += 1
