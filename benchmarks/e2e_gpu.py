@@ -9,9 +9,11 @@ fresh engine process:
   lmcache        LMCache (LMCacheConnectorV1, local CPU backend), prefix cache reset likewise
   ascend-*       this connector on the embedded pool, prefix caching off: layerwise on/off,
                  codec raw/int8
-Each prompt is sent once to fill the cache, then timed over ``--reps`` repetitions (median
-reported). The first sampled token of every configuration is compared with recompute's.
-The link floor is the KV bytes of the prompt over the pinned-copy bandwidth measured here.
+Each prompt is sent once to fill the cache, then timed over ``--reps`` repetitions
+(median reported). ``--concurrent 16`` adds the concurrent variant: 16 requests at once
+sharing 90% of a prompt already sent, with TTFT p50/p90 and requests per second. The
+first sampled token of every configuration is compared with recompute's. The link floor
+is the KV bytes of the prompt over the pinned-copy bandwidth measured here.
 
 Needs vLLM (on the GPU machine: the offline kit of ../shared/gpu-kit) and, for lmcache,
 LMCache 0.5.3:  python benchmarks/e2e_gpu.py --geometry 1b 7b --json out.json
@@ -73,8 +75,9 @@ def child(spec: dict) -> None:
 
     conf = CONFIGS[spec["config"]]
     kwargs = dict(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                  max_model_len=max(spec["tokens"]) + 64, enforce_eager=True, seed=0,
-                  enable_prefix_caching=False, max_num_batched_tokens=8192)
+                  max_model_len=max(spec["tokens"] + [spec.get("concurrent_tokens", 0)]) + 64,
+                  enforce_eager=True, seed=0,
+                  enable_prefix_caching=False, max_num_batched_tokens=8192, disable_log_stats=False)
     if spec.get("gpu", True):
         kwargs.update(gpu_memory_utilization=0.8, attention_backend="FLASH_ATTN")
     else:  # the CPU smoke run
@@ -106,7 +109,32 @@ def child(spec: dict) -> None:
             cached.append(o.num_cached_tokens or 0)
         out[n] = {"ttft_ms": sorted(times)[len(times) // 2] * 1e3, "all_ms": [t * 1e3 for t in times],
                   "token": tokens, "first_token": first.outputs[0].token_ids[0], "cached": cached}
+    if spec.get("concurrent"):
+        out["concurrent"] = concurrent(llm, spec, conf, params)
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def concurrent(llm, spec: dict, conf: dict, params) -> dict:
+    """``concurrent`` requests at once, sharing 90% of a prompt whose prefix was sent
+    before (so it sits in the cache under test): TTFT p50/p90 and requests per second."""
+    from vllm.inputs import TokensPrompt
+
+    n, k = spec["concurrent_tokens"], spec["concurrent"]
+    rng = random.Random(n + k)
+    shared = [rng.randrange(3, 32000) for _ in range(int(0.9 * n))]
+    tail = lambda: [rng.randrange(3, 32000) for _ in range(n - len(shared))]  # noqa: E731
+    llm.generate([TokensPrompt(prompt_token_ids=shared + tail())], params, use_tqdm=False)
+    time.sleep(1.0)
+    if conf.get("reset"):
+        llm.reset_prefix_cache()
+    prompts = [TokensPrompt(prompt_token_ids=shared + tail()) for _ in range(k)]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    ttft = sorted(1e3 * o.metrics.first_token_latency for o in outs if o.metrics is not None)
+    pick = lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))] if ttft else float("nan")  # noqa: E731
+    return {"tokens": n, "requests": k, "ttft_p50_ms": pick(0.5), "ttft_p90_ms": pick(0.9),
+            "req_per_s": k / wall, "cached": [o.num_cached_tokens or 0 for o in outs]}
 
 
 def link_gbs() -> float:
@@ -132,6 +160,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--concurrent", type=int, default=0,
+                    help="also run this many requests at once sharing 90%% of a prompt")
+    ap.add_argument("--concurrent-tokens", type=int, default=16384)
     ap.add_argument("--json")
     ap.add_argument("--child")
     args = ap.parse_args()
@@ -147,7 +178,8 @@ def main() -> None:
         for name in args.configs:
             tmp = tempfile.mkdtemp(prefix="ascend-e2e-")
             spec = {"config": name, "model": model_dir(geometry), "tokens": args.tokens, "reps": args.reps,
-                    "tmp": tmp, "gpu": gbs == gbs}
+                    "tmp": tmp, "gpu": gbs == gbs, "concurrent": args.concurrent,
+                    "concurrent_tokens": args.concurrent_tokens}
             env = {**os.environ, **CONFIGS[name].get("env", {}),
                    "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
             t0 = time.perf_counter()
@@ -168,6 +200,11 @@ def main() -> None:
                 cells = " ".join(f"{n // 1024}K {got[str(n)]['ttft_ms']:7.1f} ms "
                                  f"(hit {got[str(n)]['cached'][0]})" for n in args.tokens)
                 print(f"{geometry:>3} {name:<22} {cells}", flush=True)
+                if "concurrent" in got:
+                    c = got["concurrent"]
+                    print(f"{'':>3} {'':<22} {c['requests']} at once, {c['tokens']} tokens: TTFT p50 "
+                          f"{c['ttft_p50_ms']:.1f} ms, p90 {c['ttft_p90_ms']:.1f} ms, "
+                          f"{c['req_per_s']:.2f} req/s", flush=True)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(results, f, indent=1)
