@@ -5,7 +5,9 @@ Each engine gets a fresh process, so a pool hit can only come from the pool. Usa
 Job: {"model", "kv_config" | null, "rounds": [[token-id prompts], ...], "max_tokens",
       "block_size", "prefix_caching", "reset_between_rounds",
       "between": [shell command run after round i, or null], "engine_args": {...},
-      "round_extra_args": [SamplingParams.extra_args per round, or null]}
+      "round_extra_args": [SamplingParams.extra_args per round, or null],
+      "trace_memory": true to report Python allocations by ascend_store code that outlive
+                      rounds 3.. (result "traced_growth", bytes)}
 """
 
 from __future__ import annotations
@@ -40,6 +42,21 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _start_trace() -> bool:
+    import tracemalloc
+
+    tracemalloc.start(12)
+    return True
+
+
+def _ascend_snapshot():
+    """Python allocations still alive that ascend_store code made (any frame of theirs)."""
+    import tracemalloc
+
+    return tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.Filter(True, "*/ascend_store/*", all_frames=True)])
+
+
 def main(job_path: str) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung test can ask where
     from vllm import LLM, SamplingParams
@@ -62,6 +79,7 @@ def main(job_path: str) -> None:
     os.environ["ENGINE_PID"] = str(os.getpid())  # for between-round commands
     scheduler, worker = _connectors(llm)
     per_round = []
+    trace = job.get("trace_memory") and _start_trace()
     for i, prompts in enumerate(job["rounds"]):
         if i and job.get("reset_between_rounds"):
             llm.reset_prefix_cache()
@@ -81,7 +99,11 @@ def main(job_path: str) -> None:
         per_round.append({"worker": dict(worker.counters.total) if worker else {},
                           "scheduler": dict(scheduler.counters.total) if scheduler else {},
                           "rss": _rss_bytes()})
+        if trace and i == 1:  # the same point the RSS comparison starts from
+            trace = _ascend_snapshot()
     result = {"rounds": rounds, "per_round": per_round}
+    if trace:
+        result["traced_growth"] = sum(d.size_diff for d in _ascend_snapshot().compare_to(trace, "filename"))
     if worker is not None:
         result["worker"] = dict(worker.counters.total)
         result["step_hooks"] = list(worker.step_hooks)
