@@ -39,7 +39,7 @@ from ascend_store.segments import (
     run_copy,
     storage_words,
 )
-from ascend_store.transfer import FLAG_WSUM, HEADER_BYTES, LayerLayout
+from ascend_store.transfer import CRC_AT, FLAG_WSUM, FLAGS_AT, HEADER_BYTES, LayerLayout
 
 
 @dataclass
@@ -212,8 +212,8 @@ def stored_sums(arena: torch.Tensor, offsets: list[int]) -> np.ndarray:
     """The word checksum each object's header carries (-1 where it carries none)."""
     host = arena.numpy()
     offs = np.asarray(offsets, dtype=np.int64)
-    flags = host[offs + 6].astype(np.int64) | (host[offs + 7].astype(np.int64) << 8)
-    crc = sum(host[offs + 24 + i].astype(np.int64) << (8 * i) for i in range(4))
+    flags = sum(host[offs + FLAGS_AT + i].astype(np.int64) << (8 * i) for i in range(2))
+    crc = sum(host[offs + CRC_AT + i].astype(np.int64) << (8 * i) for i in range(4))
     return np.where(flags & FLAG_WSUM, crc, -1)
 
 

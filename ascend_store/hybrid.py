@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ascend_store.transfer import LayerLayout
-
-
-def _storage_view(t: torch.Tensor, offset: int, size: tuple[int, ...], stride: tuple[int, ...]):
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), offset,
-                                                                     size, stride)
+from ascend_store.transfer import LayerLayout, storage_view
 
 
 def state_layout(tensors: list[torch.Tensor], num_blocks: int) -> LayerLayout:
@@ -42,7 +37,7 @@ def state_layout(tensors: list[torch.Tensor], num_blocks: int) -> LayerLayout:
         hi = max(hi or 0, start + t[0].numel() * t.element_size())
     if hi - lo > page:
         raise ValueError(f"state of {hi - lo} bytes overlaps the next block's page ({page} bytes)")
-    return LayerLayout(_storage_view(tensors[0], lo, (num_blocks, hi - lo), (page, 1)), 0)
+    return LayerLayout(storage_view(tensors[0], torch.uint8, lo, (num_blocks, hi - lo), (page, 1)), 0)
 
 
 class DeferredStateCopies:
@@ -54,9 +49,8 @@ class DeferredStateCopies:
     def __init__(self, layouts: dict[str, LayerLayout]):
         self._layouts = layouts
         any_view = next(iter(layouts.values())).tensor
-        storage = any_view.untyped_storage()
-        self._base = storage.data_ptr()
-        self._flat = _storage_view(any_view, 0, (storage.nbytes(),), (1,))
+        self._base = any_view.untyped_storage().data_ptr()
+        self._flat = storage_view(any_view, torch.uint8)
         self.pending: dict[str, list[tuple[int, int, int]]] = {}
 
     def _layer(self, ptr: int) -> str:

@@ -30,6 +30,7 @@ from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerRepo
 from ascend_store.stats import AscendStoreStats, IntervalCounters
 
 log = logging.getLogger("ascend_store")
+STATE_TAG = "state/"  # hit-cache entries for a chunk's recurrent state (hybrid models)
 
 
 def is_compacted(request) -> bool:
@@ -88,7 +89,7 @@ class PoolScheduler:
         past it is asked); the rest goes to the pool in one batch and is cached."""
         self.counters["lookups"] += 1
         cache = self.hit_cache
-        tags = [("", self.attn_layers)] + ([("state/", self.state_layers)] if self.state_layers else [])
+        tags = [("", self.attn_layers)] + ([(STATE_TAG, self.state_layers)] if self.state_layers else [])
         known: dict[tuple[str, int], bool] = {}
         end = len(hashes)
         if cache is not None:
@@ -127,7 +128,7 @@ class PoolScheduler:
         prefix = min(prefix, limit)
         if not self.state_layers:
             return max(prefix, start)
-        return next((c + 1 for c in range(prefix - 1, start - 1, -1) if known[("state/", c)]), start)
+        return next((c + 1 for c in range(prefix - 1, start - 1, -1) if known[(STATE_TAG, c)]), start)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = request.prompt_token_ids or []
@@ -228,7 +229,7 @@ class PoolScheduler:
                 block = state.block_ids[g][(computed_after_step - 1) // self.block_size]
                 if block:  # 0 is vLLM's null block: no state kept there
                     meta.saves.append(ChunkSave(req_id, g, state.hashes[done - 1], [block]))
-                    saved.append("state/" + state.hashes[done - 1])
+                    saved.append(STATE_TAG + state.hashes[done - 1])
         if self.hit_cache is not None:  # a cached miss must not hide what we now save
             self.hit_cache.invalidate(state.hashes[state.saved_chunks:done] + saved)
         state.saved_chunks = max(state.saved_chunks, done)
@@ -238,7 +239,7 @@ class PoolScheduler:
     def update_connector_output(self, connector_output) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, WorkerReport) and self.hit_cache is not None:
-            self.hit_cache.invalidate(report.failed_chunks + ["state/" + h for h in report.failed_chunks])
+            self.hit_cache.invalidate(report.failed_chunks + [STATE_TAG + h for h in report.failed_chunks])
 
     def request_finished(self, request) -> tuple[bool, None]:
         self._reqs.pop(request.request_id, None)

@@ -131,7 +131,6 @@ class PoolWorker:
 
     # -- setup ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        states = {}
         for name, tensor in kv_caches.items():
             if name not in self.layer_ids:
                 raise ValueError(f"KV cache layer {name!r} is not in the KV cache config")
@@ -139,7 +138,6 @@ class PoolWorker:
                 views = (list(tensor) if isinstance(tensor, (list, tuple))
                          else seams.state_views(self.vllm_config, name))
                 self.layouts[name] = state_layout(views, self.num_blocks)
-                states[name] = self.layouts[name]
                 continue
             spec = self.kv_specs[self.layer_ids[name][0]]
             dims = tuple(getattr(spec, a, None) for a in ("num_kv_heads", "block_size", "head_size"))
@@ -151,7 +149,8 @@ class PoolWorker:
                                  f"{exc}") from None
             self.layouts[name] = layout
         self.order = [n for n in self.layer_ids if n in self.layouts]
-        first = self.layouts[next(n for n in self.order if n not in self.state_layers)]
+        states = {n: self.layouts[n] for n in self.order if n in self.state_layers}
+        first = self.layouts[next(n for n in self.order if n not in states)]
         log.info("ascend-store: %d layers (%d with recurrent state), page %s (%d bytes), %d blocks "
                  "per object, keys %s", len(self.order), len(states), first.describe(),
                  first.page_bytes, self.blocks_per_chunk, self.keyspace.namespace)
@@ -187,13 +186,13 @@ class PoolWorker:
         return True
 
     def _run_state_copies(self, layer: str | None = None) -> None:
-        copies = self.state_copies
-        if copies is None or not copies.pending:
+        """Deferred copies of ``layer`` (of every layer when None), once its state landed."""
+        if self.state_copies is None:
             return
         if layer is None:
-            copies.run_all()
-            return
-        copies.run(layer)
+            self.state_copies.run_all()
+        else:
+            self.state_copies.run(layer)
 
     def _key(self, layer: str, group: int, chunk_hash: str) -> str:
         return self.keyspace.key(group, self.layer_ids[layer][1], chunk_hash)

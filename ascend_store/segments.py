@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ascend_store import kernels
-from ascend_store.transfer import HEADER_BYTES, LayerLayout
+from ascend_store.transfer import HEADER_BYTES, LayerLayout, storage_view
 
 MASK = (1 << 64) - 1
 WORD = kernels.WORD
@@ -109,9 +109,7 @@ def _row_major(shape: list[int], strides: list[int]) -> list[int]:
 
 def storage_words(t: torch.Tensor) -> torch.Tensor:
     """An int64 view of all of ``t``'s storage (the copy kernel addresses it in words)."""
-    storage = t.untyped_storage()
-    return torch.empty(0, dtype=torch.int64, device=t.device).set_(storage, 0, (storage.nbytes() // WORD,),
-                                                                    (1,))
+    return storage_view(t, torch.int64)
 
 
 @dataclass

@@ -29,12 +29,24 @@ MAGIC = b"ASKV"
 HEADER = struct.Struct("<4sHH8sQIHH")  # magic, version, flags, fingerprint, payload, crc, codec, pad
 HEADER_BYTES = HEADER.size
 HEADER_VERSION = 1
+# Byte offsets of ``flags`` and ``crc`` in HEADER, for reading many headers at once.
+FLAGS_AT, CRC_AT = struct.calcsize("<4sH"), struct.calcsize("<4sHH8sQ")
 FLAG_CRC = 1  # ``crc`` is the payload's CRC32 (host writers)
 FLAG_WSUM = 2  # ``crc`` is the folded word checksum of segments.py (accelerator writers)
 
 
 class CorruptObject(ValueError):
     pass
+
+
+def storage_view(t: torch.Tensor, dtype: torch.dtype, offset: int = 0, size: tuple[int, ...] | None = None,
+                 stride: tuple[int, ...] = (1,)) -> torch.Tensor:
+    """A ``dtype`` view of ``t``'s whole storage (or of ``size``/``stride`` at ``offset``, in
+    ``dtype`` elements), whatever shape ``t`` itself has."""
+    storage = t.untyped_storage()
+    if size is None:
+        size = (storage.nbytes() // torch.empty(0, dtype=dtype).element_size(),)
+    return torch.empty(0, dtype=dtype, device=t.device).set_(storage, offset, size, stride)
 
 
 @dataclass(frozen=True)
