@@ -1,10 +1,10 @@
 """The one place that knows which accelerator it runs on: CUDA, Ascend NPU or CPU.
 
-Everything device-specific that the transfer path needs goes through here: streams and
-events, registering host memory (the pool's arena) as pinned, and the per-layer batched
-copy between a paged KV cache and host memory (``kernels.copy_segments``). NPU calls go
-through ``torch_npu`` and are untested here (no Ascend hardware); CUDA is exercised by
-``benchmarks/transfer.py`` on a GPU and CPU by the test suite.
+Everything device-specific that the transfer path (device_path.py) needs goes through
+here: streams and events, and registering host memory (the pool's arena) as pinned. NPU
+calls go through ``torch_npu`` and are untested here (no Ascend hardware); CUDA is
+exercised by ``benchmarks/layerwise.py`` and ``tests/unit/test_device_path.py`` on a GPU,
+CPU by the test suite.
 """
 
 from __future__ import annotations

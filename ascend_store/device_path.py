@@ -70,7 +70,6 @@ class DevicePath:
         # Layers a load may have in flight: enough slack that a slow host (the GIL, a
         # busy forward thread) leaves no gap on the link, few enough to bound staging.
         self.window = window
-        self.layouts = layouts
         self.plans = {name: page_plan(layout) for name, layout in layouts.items()}
         words = {}
         for layout in layouts.values():  # layers often share one buffer: one view of it
@@ -80,11 +79,11 @@ class DevicePath:
         self.words = {name: words[lay.tensor.untyped_storage().data_ptr()] for name, lay in layouts.items()}
         self.load_stream = self.dev.stream()
         self.save_stream = self.dev.stream()
-        self._arena: tuple[object, object, torch.Tensor] | None = None  # (epoch, view, words)
+        self._arena: tuple[object, object, torch.Tensor] | None = None  # (epoch, view, bytes)
 
     # -- the arena ----------------------------------------------------------------
     def arena(self, epoch, view) -> torch.Tensor:
-        """The arena as int64 words the kernel can address, pinned once per pool epoch."""
+        """The arena as a uint8 host tensor, registered as pinned once per pool epoch."""
         if self._arena is None or self._arena[0] != epoch:
             if self._arena is not None:
                 self.dev.unpin(self._arena[1])
@@ -107,7 +106,7 @@ class DevicePath:
 
         ``ready(name, event)`` follows each layer's enqueue: the forward may go on as soon
         as its stream waits on ``event``, nothing waits on the host. The checksums are
-        compared afterwards, the previous layer's while the next one copies, and
+        compared afterwards, a layer's while later ones copy (up to ``window`` queued), and
         ``failed(name, indexes)`` names objects that did not match: their blocks must be
         reported as failed loads (vLLM then recomputes them and drops the step's output
         for their requests), so a bad object costs a recompute, never a wrong token."""

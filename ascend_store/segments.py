@@ -1,6 +1,6 @@
-"""The zero-copy transfer path: one batched copy per layer between a paged KV cache on
-an accelerator and the pool's pinned host memory, with the checksum computed by the
-copy itself.
+"""The batched transfer path's plan and checksum: which bytes of a layer's blocks go
+where in one batched copy between a paged KV cache and pool objects (device_path.py
+moves the objects), with the checksum computed by the copy itself.
 
 A block's page is cut into *segments*: the page's largest contiguous runs (one for a
 block-major page, two for FlashAttention's [2, blocks, ...] where K and V are apart).
