@@ -67,6 +67,23 @@ class RawCodec(Codec):
             layout.page(b).copy_(pages[skip + i])
 
 
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pages [n, 2, T, H, D] -> int8 values of the same shape, key scales [n, H, D] and
+    value scales [n, T, H] (fp16)."""
+    x = x.float()
+    k, v = x[:, 0], x[:, 1]  # [n, T, H, D]
+    ks = (k.abs().amax(dim=1) / 127).clamp(min=6.2e-5, max=65504).half()
+    vs = (v.abs().amax(dim=3) / 127).clamp(min=6.2e-5, max=65504).half()
+    q = torch.stack([k / ks.float()[:, None], v / vs.float()[..., None]], dim=1)
+    return q.round_().clamp_(-127, 127).to(torch.int8), ks, vs
+
+
+def dequantize(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``quantize``: float pages [n, 2, T, H, D]."""
+    k, v = q[:, 0].float() * ks.float()[:, None], q[:, 1].float() * vs.float()[..., None]
+    return torch.stack([k, v], dim=1)
+
+
 class Int8Codec(Codec):
     name, cid = "int8", 1
 
@@ -84,31 +101,28 @@ class Int8Codec(Codec):
         q, ks, vs = self._sizes(layout, n)
         return q + 2 * (ks + vs)
 
-    def _split(self, layout, payload, n):
+    def split_rows(self, layout, rows: torch.Tensor, n: int):
+        """Views of payloads stacked as uint8 rows [N, bytes]: values [N, n, 2, T, H, D],
+        key scales [N, n, H, D] and value scales [N, n, T, H]."""
         h, t, d = layout.kv_dims
         q, ks, vs = self._sizes(layout, n)
-        return (payload[:q].view(torch.int8).view(n, 2, t, h, d),
-                payload[q:q + 2 * ks].view(torch.float16).view(n, h, d),
-                payload[q + 2 * ks:q + 2 * (ks + vs)].view(torch.float16).view(n, t, h))
+        m = rows.shape[0]
+        return (rows[:, :q].view(torch.int8).view(m, n, 2, t, h, d),
+                rows[:, q:q + 2 * ks].view(torch.float16).view(m, n, h, d),
+                rows[:, q + 2 * ks:q + 2 * (ks + vs)].view(torch.float16).view(m, n, t, h))
 
     def encode_into(self, layout, block_ids, payload):
-        q, k_scale, v_scale = self._split(layout, payload, len(block_ids))
-        x = torch.stack([layout.canonical(layout.page(b)) for b in block_ids]).float()
-        k, v = x[:, 0], x[:, 1]  # [n, T, H, D]
-        ks = (k.abs().amax(dim=1) / 127).clamp(min=6.2e-5, max=65504).half()  # [n, H, D]
-        vs = (v.abs().amax(dim=3) / 127).clamp(min=6.2e-5, max=65504).half()  # [n, T, H]
-        q[:, 0].copy_((k / ks.float()[:, None]).round_().clamp_(-127, 127))
-        q[:, 1].copy_((v / vs.float()[..., None]).round_().clamp_(-127, 127))
-        k_scale.copy_(ks)
-        v_scale.copy_(vs)
+        q, k_scale, v_scale = (v[0] for v in self.split_rows(layout, payload.view(1, -1), len(block_ids)))
+        x = torch.stack([layout.canonical(layout.page(b)) for b in block_ids])
+        for dst, src in zip((q, k_scale, v_scale), quantize(x)):
+            dst.copy_(src)
 
     def decode(self, layout, payload, n, skip, block_ids):
-        q, k_scale, v_scale = self._split(layout, payload, n)
+        q, k_scale, v_scale = (v[0, skip:skip + len(block_ids)]
+                               for v in self.split_rows(layout, payload.view(1, -1), n))
+        x = dequantize(q, k_scale, v_scale)
         for i, b in enumerate(block_ids):
-            j = skip + i
-            dst = layout.canonical(layout.page(b))
-            dst[0].copy_(q[j, 0].float() * k_scale[j].float()[None])
-            dst[1].copy_(q[j, 1].float() * v_scale[j].float()[..., None])
+            layout.canonical(layout.page(b)).copy_(x[i])
 
 
 class ZstdCodec(Codec):

@@ -257,8 +257,8 @@ class StoreConfig:
             lookup_cache=LookupCacheConfig.parse(r.raw.pop("lookup_cache", None)),
         )
         r.finish(cls.KEYS)
-        if cfg.copy_path == "batched" and cfg.codec != "raw":
-            raise ConfigError(f"copy_path: 'batched' moves raw bytes; codec {cfg.codec!r} needs 'per_block' "
+        if cfg.copy_path == "batched" and cfg.codec == "zstd":
+            raise ConfigError("copy_path: 'batched' moves fixed-size objects; codec 'zstd' needs 'per_block' "
                               "or 'auto'")
         return cfg
 

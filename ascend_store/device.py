@@ -27,6 +27,8 @@ class Device:
         return self._mod is not None
 
     def stream(self):
+        # Default priority: high-priority copy streams measured worse on the H200, for
+        # loads and saves alike (docs/benchmarks.md).
         return self._mod.Stream(device=self.device) if self.is_accelerator else None
 
     def event(self):

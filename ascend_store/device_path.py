@@ -9,10 +9,12 @@ over the link directly would hold SMs for the whole transfer and slow the forwar
 meant to hide behind (measured: docs/benchmarks.md). The compute stream never waits on
 the host:
 
-- load: ``ready(layer, event)`` hands each layer's event to the worker as soon as its
-  copy is queued; ``wait_for_layer_load`` makes the compute stream wait on it. The sums
-  are compared on the host behind the forward, and a mismatch becomes a failed load.
-  Up to ``window`` layers are in flight, so host hiccups leave no gap on the link.
+- load: ``queue_load`` queues a layer's copy and returns its event, with no host wait;
+  the worker queues every layer before the forward and ``wait_for_layer_load`` makes the
+  compute stream wait on that layer's event. ``check_load`` compares the sums once the
+  copy is done (at the end of the step), and a mismatch becomes a failed load. Staging
+  memory is allocated on the load stream and freed as soon as a copy is queued: the
+  caching allocator hands it to the next layer, whose copy runs after on that stream.
 - save: the copy of a layer starts from an event recorded on the compute stream right
   after the layer wrote its KV; the headers (with the sums the copy accumulated) are
   written when the copy is done, before the objects are committed.
@@ -22,30 +24,31 @@ vLLM-free, so ``benchmarks/layerwise.py`` drives exactly this code.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ascend_store.codecs import dequantize, quantize
 from ascend_store.device import Device
 from ascend_store.segments import (
     WORD,
     LayerCopy,
+    fold_array,
     object_sums,
     page_plan,
     plan_objects,
     run_copy,
     storage_words,
 )
-from ascend_store.transfer import CRC_AT, FLAG_WSUM, FLAGS_AT, HEADER_BYTES, LayerLayout
+from ascend_store.transfer import HEADER_BYTES, LayerLayout
 
 
 @dataclass
 class LayerObjects:
     """One layer's objects in a step: arena offsets, sizes, block ids, pages to skip,
-    and the keys (for headers and errors)."""
+    the keys (for headers and errors) and, for loads, the word checksum each header
+    carries (-1: none, e.g. a CRC32 already checked on the host)."""
 
     name: str
     offsets: list[int]
@@ -53,6 +56,15 @@ class LayerObjects:
     blocks: list[list[int]]
     skips: list[int]
     keys: list[str]
+    stored: list[int] | None = None
+
+
+@dataclass
+class QueuedLoad:
+    objs: LayerObjects
+    done: object  # device event (None on CPU, where the copy is done on return)
+    sums: torch.Tensor  # per segment (raw: fold with ``copy``) or per object (int8)
+    copy: LayerCopy | None
 
 
 @dataclass
@@ -60,17 +72,37 @@ class QueuedSave:
     objs: LayerObjects
     done: object  # device event
     sums: torch.Tensor
-    copy: LayerCopy
+    copy: LayerCopy | None
     staging: torch.Tensor | None = None  # kept alive until the copy is done
 
 
+def _folded(sums: torch.Tensor, copy: LayerCopy | None, n: int) -> list[int]:
+    if copy is not None:
+        return object_sums(copy, sums.numpy(), n)
+    words = sums.numpy().astype(np.int64).view(np.uint64)
+    return fold_array(words[:, 0], words[:, 1]).tolist()
+
+
+def _word_sums(rows: torch.Tensor) -> torch.Tensor:
+    """The (s1, s2) word sums of each payload row [N, bytes] (segments.py's checksum;
+    int64 arithmetic wraps like the uint64 sums there)."""
+    w = rows.view(torch.int64)
+    i = torch.arange(1, w.shape[1] + 1, dtype=torch.int64, device=w.device)
+    return torch.stack([w.sum(1), (w * i).sum(1)], dim=1)
+
+
 class DevicePath:
-    def __init__(self, device: torch.device, layouts: dict[str, LayerLayout], window: int = 4):
+    CODECS = ("raw", "int8")
+
+    def __init__(self, device: torch.device, layouts: dict[str, LayerLayout], codecs: dict | None = None):
         self.dev = Device(device)
-        # Layers a load may have in flight: enough slack that a slow host (the GIL, a
-        # busy forward thread) leaves no gap on the link, few enough to bound staging.
-        self.window = window
-        self.plans = {name: page_plan(layout) for name, layout in layouts.items()}
+        self.layouts = layouts
+        # int8 layers are quantized and dequantized on the device, whole layers at once.
+        self.int8 = {name: c for name, c in (codecs or {}).items() if c.name == "int8"}
+        if any(c.payload_bytes(layouts[name], 1) % WORD for name, c in self.int8.items()):
+            raise ValueError("int8 payloads are not a whole number of 8-byte words")
+        self.blocks_view = {name: layouts[name].canonical_blocks() for name in self.int8}
+        self.plans = {name: page_plan(layout) for name, layout in layouts.items() if name not in self.int8}
         words = {}
         for layout in layouts.values():  # layers often share one buffer: one view of it
             storage = layout.tensor.untyped_storage()
@@ -98,31 +130,25 @@ class DevicePath:
             self._arena = None
 
     # -- loads --------------------------------------------------------------------
-    def load_layers(self, arena: torch.Tensor, layers, verify: bool,
-                    ready: Callable[[str, object], None], failed: Callable[[str, list[int]], None],
-                    cancelled: Callable[[], bool] = lambda: False) -> None:
-        """Copy every layer's objects (an iterable of LayerObjects, built lazily so a
-        layer's host-side checks run just before its copy) into the cache, in order.
+    def queue_load(self, arena: torch.Tensor, objs: LayerObjects) -> QueuedLoad:
+        """Queue one layer's copy from the arena into the cache on the load stream; the
+        forward may use the layer once its stream waits on the returned ``done`` event."""
+        with self.dev.use(self.load_stream):
+            copy, sums = self._load_layer(arena, objs)
+            return QueuedLoad(objs, self.dev.record(self.load_stream), sums, copy)
 
-        ``ready(name, event)`` follows each layer's enqueue: the forward may go on as soon
-        as its stream waits on ``event``, nothing waits on the host. The checksums are
-        compared afterwards, a layer's while later ones copy (up to ``window`` queued), and
-        ``failed(name, indexes)`` names objects that did not match: their blocks must be
-        reported as failed loads (vLLM then recomputes them and drops the step's output
-        for their requests), so a bad object costs a recompute, never a wrong token."""
-        queued: deque = deque()
-        for objs in layers:
-            if cancelled():
-                break
-            if len(queued) >= self.window:  # bounds the staging memory in flight
-                self._check(arena, *queued.popleft(), failed, verify)
-            with self.dev.use(self.load_stream):
-                copy, sums, keep = self._load_layer(arena, objs)
-                event = self.dev.record(self.load_stream)
-            ready(objs.name, event)
-            queued.append((objs, event, sums, copy, keep))
-        while queued:
-            self._check(arena, *queued.popleft(), failed, verify)
+    def check_load(self, q: QueuedLoad, verify: bool) -> list[int]:
+        """Wait for a queued load; the indexes of objects whose word checksum does not
+        match their header. Their blocks must be reported as failed loads (vLLM then
+        recomputes them and drops the step's output for their requests), so a bad object
+        costs a recompute, never a wrong token."""
+        if q.done is not None:
+            q.done.synchronize()
+        if not verify or q.objs.stored is None:
+            return []
+        got = np.asarray(_folded(q.sums, q.copy, len(q.objs.offsets)))
+        stored = np.asarray(q.objs.stored, dtype=np.int64)
+        return np.flatnonzero((stored >= 0) & (stored != got)).tolist()
 
     def _load_layer(self, arena: torch.Tensor, objs: LayerObjects):
         """Queue one layer's copy. On an accelerator the copy engine moves the objects into
@@ -130,9 +156,21 @@ class DevicePath:
         pages into the cache and sums them; kernels never wait on the link, so compute
         keeps every SM. On CPU the pages are copied straight from the arena."""
         items = list(zip(objs.offsets, objs.blocks, objs.skips))
+        if objs.name in self.int8:
+            return self._load_int8(arena, objs)
         if not self.dev.is_accelerator:
             copy = plan_objects(self.plans[objs.name], items, load=True)
-            return copy, run_copy(copy, arena.view(torch.int64), self.words[objs.name], self.dev.device), None
+            return copy, run_copy(copy, arena.view(torch.int64), self.words[objs.name], self.dev.device)
+        staging, staged = self._stage(arena, objs)
+        copy = plan_objects(self.plans[objs.name], [(staged[i], b, k) for i, (_, b, k) in enumerate(items)],
+                            load=True)
+        return copy, run_copy(copy, staging.view(torch.int64), self.words[objs.name], self.dev.device)
+
+    def _stage(self, arena: torch.Tensor, objs: LayerObjects) -> tuple[torch.Tensor, list[int]]:
+        """The layer's objects in device memory (one DMA per run of adjacent slots), and
+        where each one starts there. On CPU: the arena itself."""
+        if not self.dev.is_accelerator:
+            return arena, objs.offsets
         spans, staged = _spans(objs.offsets, objs.sizes)
         total = sum(e - s for s, e in spans)
         staging = torch.empty(-(-total // WORD) * WORD, dtype=torch.uint8, device=self.dev.device)
@@ -140,21 +178,40 @@ class DevicePath:
         for s, e in spans:
             staging[pos:pos + e - s].copy_(arena[s:e], non_blocking=True)
             pos += e - s
-        copy = plan_objects(self.plans[objs.name], [(staged[i], b, k) for i, (_, b, k) in enumerate(items)],
-                            load=True)
-        sums = run_copy(copy, staging.view(torch.int64), self.words[objs.name], self.dev.device)
-        return copy, sums, staging
+        return staging, staged
 
-    def _check(self, arena, objs: LayerObjects, event, sums, copy, keep, failed, verify: bool) -> None:
-        if event is not None:
-            event.synchronize()
-        if not verify:
-            return
-        got = np.asarray(object_sums(copy, sums.numpy(), len(objs.offsets)))
-        stored = stored_sums(arena, objs.offsets)  # objects with a CRC32 were checked on the host
-        bad = np.flatnonzero((stored >= 0) & (stored != got)).tolist()
-        if bad:
-            failed(objs.name, bad)
+    def _pages(self, objs: LayerObjects) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(object, page, block) index tensors of every page a layer's objects move."""
+        obj, page, block = [], [], []
+        for i, (blocks, skip) in enumerate(zip(objs.blocks, objs.skips)):
+            obj += [i] * len(blocks)
+            page += range(skip, skip + len(blocks))
+            block += blocks
+        return tuple(torch.tensor(v, dtype=torch.int64).to(self.dev.device, non_blocking=True)
+                     for v in (obj, page, block))
+
+    def _load_int8(self, arena: torch.Tensor, objs: LayerObjects):
+        """Dequantize a layer's int8 objects into the cache with whole-layer tensor ops;
+        the payloads' word sums come back per object."""
+        codec, layout = self.int8[objs.name], self.layouts[objs.name]
+        src, starts = self._stage(arena, objs)
+        n_bytes = objs.sizes[0] - HEADER_BYTES if objs.sizes else 0
+        rows = torch.stack([src[s + HEADER_BYTES:s + HEADER_BYTES + n_bytes] for s in starts]) if starts \
+            else torch.empty((0, 8), dtype=torch.uint8, device=self.dev.device)
+        if starts:
+            n = n_bytes // codec.payload_bytes(layout, 1)
+            q, ks, vs = codec.split_rows(layout, rows, n)
+            obj, page, block = self._pages(objs)
+            view = self.blocks_view[objs.name]
+            view[block] = dequantize(q[obj, page], ks[obj, page], vs[obj, page]).to(view.dtype)
+        return None, self._to_host(_word_sums(rows))
+
+    def _to_host(self, sums: torch.Tensor) -> torch.Tensor:
+        if not self.dev.is_accelerator:
+            return sums
+        host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+        host.copy_(sums, non_blocking=True)
+        return host
 
     # -- saves --------------------------------------------------------------------
     def save_layer(self, arena: torch.Tensor, objs: LayerObjects, after) -> QueuedSave:
@@ -165,6 +222,8 @@ class DevicePath:
         items = list(zip(objs.offsets, objs.blocks, objs.skips))
         with self.dev.use(self.save_stream):
             self.dev.wait(after, self.save_stream)
+            if objs.name in self.int8:
+                return self._save_int8(arena, objs)
             if not self.dev.is_accelerator:
                 copy = plan_objects(self.plans[objs.name], items, load=False)
                 sums = run_copy(copy, self.words[objs.name], arena.view(torch.int64), self.dev.device)
@@ -181,38 +240,43 @@ class DevicePath:
             done = self.dev.record(self.save_stream)
         return QueuedSave(objs, done, sums, copy, staging)
 
+    def _save_int8(self, arena: torch.Tensor, objs: LayerObjects) -> QueuedSave:
+        """Quantize a layer's blocks with whole-layer tensor ops into payload rows, sum
+        them, and move each row into its object's slot."""
+        codec, layout = self.int8[objs.name], self.layouts[objs.name]
+        n = len(objs.blocks[0])  # saves are whole chunks
+        _, _, block = self._pages(objs)
+        rows = torch.empty((len(objs.offsets), codec.payload_bytes(layout, n)), dtype=torch.uint8,
+                           device=self.dev.device)
+        for dst, src in zip(codec.split_rows(layout, rows, n), quantize(self.blocks_view[objs.name][block])):
+            dst.copy_(src.view(dst.shape))
+        sums = self._to_host(_word_sums(rows))
+        for off, row in zip(objs.offsets, rows):
+            arena[off + HEADER_BYTES:off + HEADER_BYTES + row.numel()].copy_(row, non_blocking=True)
+        return QueuedSave(objs, self.dev.record(self.save_stream), sums, None, rows)
+
     def finish_save(self, q: QueuedSave) -> list[int]:
         """Wait for a queued save; returns each object's folded word checksum."""
         if q.done is not None:
             q.done.synchronize()
-        return object_sums(q.copy, q.sums.numpy(), len(q.objs.offsets))
+        return _folded(q.sums, q.copy, len(q.objs.offsets))
 
 
 def _spans(offsets: list[int], sizes: list[int], gap: int = 4096) -> tuple[list[tuple[int, int]], list[int]]:
     """Runs of nearly adjacent objects (gaps up to ``gap`` bytes are read along), and
     where each object lands in the concatenation of the runs."""
-    order = sorted(range(len(offsets)), key=offsets.__getitem__)
-    spans: list[list[int]] = []
-    for i in order:
-        if spans and offsets[i] <= spans[-1][1] + gap:
-            spans[-1][1] = max(spans[-1][1], offsets[i] + sizes[i])
-        else:
-            spans.append([offsets[i], offsets[i] + sizes[i]])
-    staged, base, k = [0] * len(offsets), 0, 0
-    for i in order:
-        while offsets[i] >= spans[k][1]:
-            base += spans[k][1] - spans[k][0]
-            k += 1
-        staged[i] = base + offsets[i] - spans[k][0]
-    return [tuple(s) for s in spans], staged
-
-
-def stored_sums(arena: torch.Tensor, offsets: list[int]) -> np.ndarray:
-    """The word checksum each object's header carries (-1 where it carries none)."""
-    host = arena.numpy()
-    offs = np.asarray(offsets, dtype=np.int64)
-    flags = sum(host[offs + FLAGS_AT + i].astype(np.int64) << (8 * i) for i in range(2))
-    crc = sum(host[offs + CRC_AT + i].astype(np.int64) << (8 * i) for i in range(4))
-    return np.where(flags & FLAG_WSUM, crc, -1)
-
-
+    if not offsets:
+        return [], []
+    offs, ends = np.asarray(offsets, dtype=np.int64), np.asarray(offsets, dtype=np.int64) + sizes
+    order = np.argsort(offs, kind="stable")
+    o, e = offs[order], ends[order]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(len(o), dtype=bool)
+    new[1:] = o[1:] > reach[:-1] + gap
+    first = np.flatnonzero(new)
+    starts, stops = o[first], np.maximum.reduceat(e, first)
+    base = np.cumsum(stops - starts) - (stops - starts)
+    run = np.cumsum(new) - 1
+    staged = np.empty(len(o), dtype=np.int64)
+    staged[order] = base[run] + o - starts[run]
+    return list(zip(starts.tolist(), stops.tolist())), staged.tolist()

@@ -1,10 +1,15 @@
 """Worker half: registers vLLM's KV caches and moves their blocks to and from the pool.
 
-Loads and saves run on two background threads, one job per step each:
-- load: one ``lease`` for every (layer, chunk) object of the step, then layer by layer
-  verify and scatter into the cache, setting that layer's event; ``wait_for_layer_load``
-  waits only for its own layer. Missing or corrupt objects mark their chunk failed; the
-  blocks are reported through ``get_block_ids_with_load_errors`` and vLLM recomputes.
+One load job and one save job per step:
+- load: ``lease`` the step's (layer, chunk) objects (the first layer's alone, so its
+  copy starts while the pool answers for the rest), check each layer's headers at once,
+  and move the pages into the cache. On accelerators every layer's copy is queued on a
+  side stream from ``start_load_kv``, before the forward, and ``wait_for_layer_load``
+  makes the compute stream wait on that layer's event: the host hands nothing over
+  while the forward runs (a handing-over thread would take the GIL from it). On CPU a
+  background thread copies layer by layer, and ``wait_for_layer_load`` waits for its
+  layer. Missing or corrupt objects mark their chunk failed; the blocks are reported
+  through ``get_block_ids_with_load_errors`` and vLLM recomputes.
 - save: one ``reserve`` for every (layer, chunk) object, a copy task per layer queued by
   ``save_kv_layer`` right after the layer wrote its KV, and one ``commit`` in
   ``wait_for_save``.
@@ -26,25 +31,28 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
+import numpy as np
 import torch
 
 from ascend_store import seams
 from ascend_store.backends import BackendUnavailable, Status, create_backend
 from ascend_store.codecs import get_codec
 from ascend_store.config import StoreConfig
-from ascend_store.device_path import DevicePath, LayerObjects
+from ascend_store.device_path import DevicePath, LayerObjects, QueuedLoad
 from ascend_store.hybrid import DeferredStateCopies, state_layout
 from ascend_store.keys import KeySpace, identity_from_vllm
 from ascend_store.layers import STATE, group_kinds, layer_ids
 from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
 from ascend_store.stats import AscendStoreStats, IntervalCounters
 from ascend_store.transfer import (
+    FLAG_WSUM,
     HEADER_BYTES,
+    HEADER_RECORD,
     CorruptObject,
     LayerLayout,
-    check_header,
+    decode_object,
+    header_faults,
     object_bytes,
-    read_object,
     seal,
     write_object,
 )
@@ -73,9 +81,13 @@ def _has_preemption_hook() -> bool:
 class _LoadJob:
     def __init__(self, loads: list[ChunkLoad], layers: list[str]):
         self.loads = loads
-        self.events = {name: threading.Event() for name in layers}
+        self.events = {name: threading.Event() for name in layers}  # layer landed or queued
         self.device_events: dict[str, object] = {}  # layer -> its copy's event (accelerators)
+        self.queued: list[tuple[QueuedLoad, list[tuple[int, str, int]]]] = []  # copy, (j, key, size)
+        self.plan: list[tuple[str, int, str]] = []  # (layer, load index, key)
+        self.leased: list[str] = []
         self.failed: set[int] = set()  # indexes into loads
+        self.corrupt: set[int] = set()  # chunks whose objects are removed, so a recompute republishes them
         self.cancelled = False
         self.future: Future | None = None
 
@@ -158,12 +170,17 @@ class PoolWorker:
             self._install_hybrid(states)
         device = self.layouts[self.order[0]].tensor.device
         batched = self.cfg.copy_path == "batched" or (self.cfg.copy_path == "auto" and device.type != "cpu")
-        if batched and self.codec.name == "raw":
+        if batched and self.codec.name in DevicePath.CODECS:
             try:
-                self.device_path = DevicePath(device, self.layouts)
+                self.device_path = DevicePath(device, self.layouts, self.codecs)
             except ValueError as exc:  # an unaligned layout: per-block copies still work
                 log.warning("ascend-store: batched device copies off (%s); copying block by block", exc)
         log.info("ascend-store: copy path %s on %s", "batched" if self.device_path else "per_block", device)
+        if self.device_path is not None:
+            try:  # pinning a large arena takes seconds: at startup, not in the first request
+                self._arena_tensor()
+            except BackendUnavailable:
+                pass  # the pool is not up yet: pinned on first use
 
     def _install_hybrid(self, states: dict[str, LayerLayout]) -> None:
         """Make linear-attention layers drive the layer protocol and defer the runner's
@@ -217,125 +234,177 @@ class PoolWorker:
         if not meta.loads:
             return
         job = self._load = _LoadJob(meta.loads, self.order)
-        job.future = self._load_thread.submit(self._run_load, job)
+        if self.device_path is not None:
+            self._queue_device_load(job)
+        else:
+            job.future = self._load_thread.submit(self._run_load, job)
         if not self.cfg.use_layerwise:
             self._finish_load(job)
             self._run_state_copies()
 
-    def _run_load(self, job: _LoadJob) -> None:
-        leased: list[str] = []
-        corrupt: set[int] = set()  # chunks whose objects are removed, so a recompute republishes them
-        plan: list[tuple[str, int, str]] = []
-        t0 = time.perf_counter()
-        try:
-            self._arena_tensor()  # map the arena first so slot bounds are checked against it
-            plan = [(name, j, self._key(name, ld.group, ld.chunk_hash))
+    def _lease(self, job: _LoadJob):
+        """Plan and lease the job's objects; returns the arena, each layer's (load index,
+        key), the slots, and ``rest()``, which leases what is past the first layer."""
+        self._arena_tensor()  # map the arena first so slot bounds are checked against it
+        job.plan = [(name, j, self._key(name, ld.group, ld.chunk_hash))
                     for name in self.order for j, ld in enumerate(job.loads)
                     if ld.group == self.layer_ids[name][0]]
-            # Requests sharing a prefix name the same objects: lease each key once.
-            layer_of = {k: name for name, _, k in plan}
-            unique = list(layer_of)
-            slots = dict(zip(unique, self.backend.lease(unique, [self._object_bytes(layer_of[k])
-                                                                 for k in unique])))
-            leased = [k for k, s in slots.items() if s.status is Status.OK]
-            arena = self._arena_tensor()  # again: a pool restart seen by the lease remaps it
-            by_layer: dict[str, list] = {}
-            for name, j, key in plan:
-                by_layer.setdefault(name, []).append((j, key, slots[key]))
-            if self.device_path is not None:
-                self._load_on_device(job, arena, by_layer, corrupt)
-                return
+        # Requests sharing a prefix name the same objects: lease each key once.
+        layer_of = {k: name for name, _, k in job.plan}
+        unique = list(layer_of)
+        sizes = {name: self._object_bytes(name) for name in self.order}
+        slots: dict = {}
+
+        def lease(keys: list[str]) -> None:
+            got = self.backend.lease(keys, [sizes[layer_of[k]] for k in keys])
+            slots.update(zip(keys, got))
+            job.leased.extend(k for k, s in zip(keys, got) if s.status is Status.OK)
+
+        by_layer: dict[str, list[tuple[int, str]]] = {}
+        for name, j, key in job.plan:
+            by_layer.setdefault(name, []).append((j, key))
+        head = len(by_layer[job.plan[0][0]]) if job.plan else 0
+        lease(unique[:head])
+        arena = self._arena_tensor()  # again: a pool restart seen by the lease remaps it
+
+        def rest() -> None:
+            if len(slots) < len(unique):
+                lease(unique[head:])
+                if self._arena_tensor() is not arena:
+                    raise BackendUnavailable("the pool restarted during a load")
+
+        return arena, by_layer, slots, rest
+
+    def _run_load(self, job: _LoadJob) -> None:
+        """The host path (a background thread): layer by layer, check and decode."""
+        t0 = time.perf_counter()
+        try:
+            arena, by_layer, slots, rest = self._lease(job)
+            rest()
             for name in self.order:
                 if job.cancelled:
                     break
-                for j, key, slot in by_layer.get(name, ()):
-                    self._admit(job, arena, j, key, slot, corrupt, lambda obj, ld: read_object(
-                        obj, self.layouts[name], ld.block_ids, ld.skip, key, self._object_blocks(name),
-                        self.cfg.verify_checksum, self.codecs[name]))
+                entries, headers = self._admit(job, arena, [name], by_layer, slots)[name]
+                for (j, key, slot), n in zip(entries, headers["payload"].tolist()):
+                    try:
+                        decode_object(arena[slot.offset:slot.offset + slot.size], n,
+                                      self.layouts[name], job.loads[j].block_ids, job.loads[j].skip, key,
+                                      self._object_blocks(name), self.codecs[name])
+                    except CorruptObject as exc:
+                        self._rejected(job, j, exc)
                 job.events[name].set()
         except Exception as exc:  # the pool is an optimization: never fail the forward
-            if not isinstance(exc, BackendUnavailable):
-                log.exception("KV pool load failed; recomputing")
-            self.counters["load_errors"] += 1
-            job.failed.update(range(len(job.loads)))
+            self._load_failed(job, exc)
         finally:
             for ev in job.events.values():
                 ev.set()
             self.counters["load_seconds"] += time.perf_counter() - t0
-            try:
-                if leased:
-                    self.backend.release(leased)
-                if corrupt:  # every layer's object of the chunk: a hit needs them all
-                    self.backend.remove(sorted({k for _, j, k in plan if j in corrupt}))
-            except BackendUnavailable:
-                pass  # the pool drops our leases when their TTL ends
+            self._release(job)
 
-    def _load_on_device(self, job: _LoadJob, arena: torch.Tensor, by_layer: dict, corrupt: set[int]) -> None:
-        """Per layer: check headers on the host, queue one batched copy on the load stream
-        and hand its event to ``wait_for_layer_load``; checksums are compared behind the
-        forward and a mismatch fails its chunk (reported at the end of the step)."""
-        owners: dict[str, list[tuple[int, str, int]]] = {}
-
-        def layers():
-            for name in self.order:
-                objs = LayerObjects(name, [], [], [], [], [])
-                owners[name] = []
-                for j, key, slot in by_layer.get(name, ()):
-                    if not self._admit(job, arena, j, key, slot, corrupt, lambda obj, ld: check_header(
-                            obj, self.layouts[name], key, self._object_blocks(name),
-                            self.cfg.verify_checksum, self.codecs[name], payload_checked_later=True)):
+    def _queue_device_load(self, job: _LoadJob) -> None:
+        """The accelerator path, before the forward: per layer, check the headers and
+        queue one batched copy on the load stream. Checksums are compared at the end of
+        the step (``_check_device_load``)."""
+        t0 = time.perf_counter()
+        try:
+            arena, by_layer, slots, rest = self._lease(job)
+            first, others = self.order[:1], self.order[1:]
+            for names in (first, others):
+                if names is others:
+                    rest()  # the first layer's copy is queued: lease the others meanwhile
+                for name, (entries, headers) in self._admit(job, arena, names, by_layer, slots).items():
+                    if not entries:
                         continue
-                    ld = job.loads[j]
-                    objs.offsets.append(slot.offset)
-                    objs.sizes.append(slot.size)
-                    objs.blocks.append(ld.block_ids)
-                    objs.skips.append(ld.skip)
-                    objs.keys.append(key)
-                    owners[name].append((j, key, slot.size))
-                yield objs
+                    loads = [job.loads[j] for j, _, _ in entries]
+                    stored = np.where(headers["flags"] & FLAG_WSUM, headers["crc"].astype(np.int64), -1)
+                    objs = LayerObjects(name, [e[2].offset for e in entries], [e[2].size for e in entries],
+                                        [ld.block_ids for ld in loads], [ld.skip for ld in loads],
+                                        [e[1] for e in entries], stored.tolist())
+                    q = self.device_path.queue_load(arena, objs)
+                    job.queued.append((q, [(j, key, slot.size) for j, key, slot in entries]))
+                    job.device_events[name] = q.done
+        except Exception as exc:
+            self._load_failed(job, exc)
+        finally:
+            for ev in job.events.values():
+                ev.set()
+            self.counters["load_seconds"] += time.perf_counter() - t0
 
-        def ready(name: str, event) -> None:
-            job.device_events[name] = event
-            job.events[name].set()
-
-        def failed(name: str, bad: list[int]) -> None:
-            for i in bad:
-                j, key, size = owners[name][i]
+    def _check_device_load(self, job: _LoadJob) -> None:
+        """Wait for the queued copies and compare their checksums; then release the
+        leases off the step's path (the copies no longer read the arena)."""
+        for q, owners in job.queued:
+            for i in self.device_path.check_load(q, self.cfg.verify_checksum):
+                j, key, size = owners[i]
                 self.counters["loaded_objects"] -= 1
                 self.counters["loaded_bytes"] -= size
-                self._rejected(job, j, corrupt, CorruptObject(f"{key}: checksum mismatch"))
+                self._rejected(job, j, CorruptObject(f"{key}: checksum mismatch"))
+        self._load_thread.submit(self._release, job)
 
-        self.device_path.load_layers(arena, layers(), self.cfg.verify_checksum, ready, failed,
-                                     lambda: job.cancelled)
+    def _load_failed(self, job: _LoadJob, exc: Exception) -> None:
+        if not isinstance(exc, BackendUnavailable):
+            log.exception("KV pool load failed; recomputing")
+        self.counters["load_errors"] += 1
+        job.failed.update(range(len(job.loads)))
 
-    def _admit(self, job: _LoadJob, arena: torch.Tensor, j: int, key: str, slot, corrupt: set[int],
-               check) -> bool:
-        """The gate every loaded object passes on either path: skip chunks that already
-        failed, count missing objects, refuse vLLM's null block, then ``check(object,
-        load)`` (which raises CorruptObject to reject it)."""
-        if j in job.failed:
-            return False
-        if slot.status is not Status.OK:
-            self.counters["load_missing"] += 1
-            job.failed.add(j)
-            return False
-        ld = job.loads[j]
+    def _release(self, job: _LoadJob) -> None:
         try:
-            if 0 in ld.block_ids:  # vLLM's null block: nowhere to load to
-                raise CorruptObject(f"{key}: no block allocated for it")
-            check(arena[slot.offset:slot.offset + slot.size], ld)
-        except CorruptObject as exc:
-            self._rejected(job, j, corrupt, exc)
-            return False
-        self.counters["loaded_objects"] += 1
-        self.counters["loaded_bytes"] += slot.size
-        return True
+            if job.leased:
+                self.backend.release(job.leased)
+            if job.corrupt:  # every layer's object of the chunk: a hit needs them all
+                self.backend.remove(sorted({k for _, j, k in job.plan if j in job.corrupt}))
+        except BackendUnavailable:
+            pass  # the pool drops our leases when their TTL ends
 
-    def _rejected(self, job: _LoadJob, j: int, corrupt: set[int], exc: CorruptObject) -> None:
+    def _admit(self, job: _LoadJob, arena: torch.Tensor, names: list[str], by_layer: dict,
+               slots: dict) -> dict[str, tuple[list[tuple[int, str, object]], np.ndarray]]:
+        """The gate loaded objects pass on either path: skip chunks that already failed,
+        count missing objects, refuse vLLM's null block, then check the headers (and
+        payload sums the device copy will not compute) of all ``names``' objects in one
+        pass per page layout. Returns per layer the admitted (load index, key, slot) and
+        their headers (HEADER_RECORD)."""
+        groups: dict[tuple, list[tuple[str, int, str, object]]] = {}
+        for name in names:
+            group = groups.setdefault((self.layouts[name].describe(), self.codecs[name].name,
+                                       self._object_blocks(name)), [])
+            for j, key in by_layer.get(name, ()):
+                slot = slots[key]
+                if j in job.failed:
+                    continue
+                if slot.status is not Status.OK:
+                    self.counters["load_missing"] += 1
+                    job.failed.add(j)
+                elif 0 in job.loads[j].block_ids:  # vLLM's null block: nowhere to load to
+                    self._rejected(job, j, CorruptObject(f"{key}: no block allocated for it"))
+                else:
+                    group.append((name, j, key, slot))
+        picked: dict[str, list[int]] = {name: [] for name in names}
+        out = {}
+        for todo in groups.values():
+            if not todo:
+                continue
+            name = todo[0][0]  # any layer of the group: they share layout, codec and size
+            faults, headers = header_faults(
+                arena.numpy(), [t[3].offset for t in todo], [t[3].size for t in todo], [t[2] for t in todo],
+                self.layouts[name], self._object_blocks(name), self.cfg.verify_checksum, self.codecs[name],
+                wsum_later=self.device_path is not None)
+            for i, ((layer, j, key, slot), fault) in enumerate(zip(todo, faults)):
+                if fault is not None:
+                    self._rejected(job, j, CorruptObject(fault))
+                else:
+                    picked[layer].append(i)
+                    self.counters["loaded_objects"] += 1
+                    self.counters["loaded_bytes"] += slot.size
+            for layer in {t[0] for t in todo}:
+                out[layer] = ([todo[i][1:] for i in picked[layer]], headers[picked[layer]])
+        empty = np.zeros(0, dtype=HEADER_RECORD)
+        return {name: out.get(name, ([], empty)) for name in names}
+
+    def _rejected(self, job: _LoadJob, j: int, exc: CorruptObject) -> None:
         self.counters["load_corrupt"] += 1
         log.warning("KV pool object rejected, recomputing: %s", exc)
         job.failed.add(j)
-        corrupt.add(j)
+        job.corrupt.add(j)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._waits += 1
@@ -358,7 +427,7 @@ class PoolWorker:
         job.failed.update(range(len(job.loads)))
 
     def _finish_load(self, job: _LoadJob) -> None:
-        if wait([job.future], timeout=self.cfg.load_timeout_s).not_done:
+        if job.future is not None and wait([job.future], timeout=self.cfg.load_timeout_s).not_done:
             self._abandon(job, "load job did not finish")
         if self.device_path is not None:
             for event in job.device_events.values():
@@ -369,6 +438,8 @@ class PoolWorker:
         if job is None:
             return set()
         self._finish_load(job)
+        if self.device_path is not None:
+            self._check_device_load(job)
         bad = {b for j in job.failed for b in job.loads[j].block_ids}
         self._failed_chunks.update(job.loads[j].chunk_hash for j in job.failed)
         self.counters["failed_blocks"] += len(bad)

@@ -149,13 +149,15 @@ def plan_objects(plan: PagePlan, objects: list[tuple[int, list[int], int]], load
 
 
 def object_sums(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> list[int]:
-    """Folded checksums per object from the kernel's per-segment (s1, t) pairs."""
+    """Folded checksums per object from the kernel's per-segment (s1, t) pairs (an
+    object's segments are consecutive in the plan)."""
+    if n_objects == 0:
+        return []
     sums = seg_sums.astype(np.int64).view(np.uint64).reshape(-1, 2)
-    s1 = np.zeros(n_objects, dtype=np.uint64)
-    s2 = np.zeros(n_objects, dtype=np.uint64)
+    first = np.searchsorted(copy.obj_of_seg, np.arange(n_objects))
     with np.errstate(over="ignore"):
-        np.add.at(s1, copy.obj_of_seg, sums[:, 0])
-        np.add.at(s2, copy.obj_of_seg, sums[:, 1] + copy.payload_word.astype(np.uint64) * sums[:, 0])
+        s1 = np.add.reduceat(sums[:, 0], first)
+        s2 = np.add.reduceat(sums[:, 1] + copy.payload_word.astype(np.uint64) * sums[:, 0], first)
     return fold_array(s1, s2).tolist()
 
 

@@ -22,15 +22,19 @@ import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 
 MAGIC = b"ASKV"
 HEADER = struct.Struct("<4sHH8sQIHH")  # magic, version, flags, fingerprint, payload, crc, codec, pad
 HEADER_BYTES = HEADER.size
 HEADER_VERSION = 1
-# Byte offsets of ``flags`` and ``crc`` in HEADER, for reading many headers at once.
-FLAGS_AT, CRC_AT = struct.calcsize("<4sH"), struct.calcsize("<4sHH8sQ")
+# The same header as a numpy record, for checking a layer's objects in one pass.
+HEADER_RECORD = np.dtype([("magic", "S4"), ("version", "<u2"), ("flags", "<u2"), ("fp", "<u8"),
+                          ("payload", "<u8"), ("crc", "<u4"), ("codec", "<u2"), ("pad", "<u2")])
+assert HEADER_RECORD.itemsize == HEADER_BYTES
 FLAG_CRC = 1  # ``crc`` is the payload's CRC32 (host writers)
 FLAG_WSUM = 2  # ``crc`` is the folded word checksum of segments.py (accelerator writers)
 
@@ -88,12 +92,12 @@ class LayerLayout:
         # equal num_blocks in small caches).
         return cls(tensor, max(dims, key=tensor.stride), kv_dims)
 
-    @property
+    @cached_property
     def page_shape(self) -> tuple[int, ...]:
         shape = [s for d, s in enumerate(self.tensor.shape) if d != self.block_dim]
         return tuple(shape[d] for d in self.order)
 
-    @property
+    @cached_property
     def page_bytes(self) -> int:
         n = 1
         for s in self.page_shape:
@@ -107,23 +111,37 @@ class LayerLayout:
         return self.tensor.select(self.block_dim, block_id).permute(self.order)
 
     def canonical(self, page: torch.Tensor) -> torch.Tensor | None:
-        """A [2, tokens, heads, head_size] view of one page, for the layouts we know:
-        FlashAttention-style [2, T, H, D], vLLM CPU's [H, T, 2*D] and vLLM 0.26 GPU's
-        [T, H, 2*D] (K, V side by side)."""
+        """A [2, tokens, heads, head_size] view of one page (or of pages stacked along
+        leading dims), for the layouts we know: FlashAttention-style [2, T, H, D], vLLM
+        CPU's [H, T, 2*D] and vLLM 0.26 GPU's [T, H, 2*D] (K, V side by side)."""
         if self.kv_dims is None:
             return None
         h, t, d = self.kv_dims
-        if tuple(page.shape) == (2, t, h, d):
+        lead = list(range(page.dim() - len(self.page_shape)))
+        inner = tuple(page.shape[len(lead):])
+        n = len(lead)
+        if inner == (2, t, h, d):
             return page
-        if tuple(page.shape) == (h, t, 2 * d):
-            return page.view(h, t, 2, d).permute(2, 1, 0, 3)
-        if tuple(page.shape) == (t, h, 2 * d):
-            return page.view(t, h, 2, d).permute(2, 0, 1, 3)
+        if inner == (h, t, 2 * d):
+            return page.unflatten(-1, (2, d)).permute(*lead, n + 2, n + 1, n, n + 3)
+        if inner == (t, h, 2 * d):
+            return page.unflatten(-1, (2, d)).permute(*lead, n + 2, n, n + 1, n + 3)
         return None
+
+    def canonical_blocks(self) -> torch.Tensor | None:
+        """Every block's page as one [blocks, 2, tokens, heads, head_size] view."""
+        pages = self.tensor.movedim(self.block_dim, 0).permute(0, *[d + 1 for d in self.order])
+        return self.canonical(pages)
+
+
+def fingerprints(keys: list[str], layout: LayerLayout, codec_name: str) -> bytes:
+    """8 bytes per key binding an object to its key, the cache layout and the codec."""
+    tail = f"|{layout.describe()}|{codec_name}".encode()
+    return b"".join([hashlib.blake2b(k.encode() + tail, digest_size=8).digest() for k in keys])
 
 
 def fingerprint(key: str, layout: LayerLayout, codec_name: str) -> bytes:
-    return hashlib.blake2b(f"{key}|{layout.describe()}|{codec_name}".encode(), digest_size=8).digest()
+    return fingerprints([key], layout, codec_name)
 
 
 def object_bytes(layout: LayerLayout, n: int, codec) -> int:
@@ -153,34 +171,71 @@ def seal(obj: torch.Tensor, payload_len: int, layout: LayerLayout, key: str, cod
     obj[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
 
 
-def check_header(obj: torch.Tensor, layout: LayerLayout, key: str, blocks_per_chunk: int, checksum: bool,
-                 codec, payload_checked_later: bool = False) -> int:
-    """Check ``obj``'s header against ``key``, the layout and the codec, and its CRC32
-    if it has one; returns the payload length. A word checksum is verified here unless
-    ``payload_checked_later`` (the device copy computes it on the way)."""
+def header_faults(host: np.ndarray, offsets: list[int], sizes: list[int], keys: list[str],
+                  layout: LayerLayout, blocks_per_chunk: int, checksum: bool, codec,
+                  wsum_later: bool = False) -> tuple[list[str | None], np.ndarray]:
+    """Check many objects at once (a layer's objects in a step) against their keys, the
+    layout and the codec, and their payloads' checksums: a word checksum only unless
+    ``wsum_later`` (the device copy computes it on the way). Returns the reason each
+    object is rejected (None when it is fine) and the headers (HEADER_RECORD)."""
     limit = HEADER_BYTES + codec.payload_bytes(layout, blocks_per_chunk)
-    if obj.numel() < HEADER_BYTES or obj.numel() > limit or (codec.fixed_size and obj.numel() != limit):
-        raise CorruptObject(f"{key}: size {obj.numel()} does not fit {limit}")
-    magic, version, flags, fp, n, crc, cid, _ = HEADER.unpack(obj[:HEADER_BYTES].numpy().tobytes())
-    if magic != MAGIC or version != HEADER_VERSION or cid != codec.cid:
-        raise CorruptObject(f"{key}: bad header")
-    if fp != fingerprint(key, layout, codec.name):
-        raise CorruptObject(f"{key}: stored for another key or cache layout")
-    if n > obj.numel() - HEADER_BYTES or (codec.fixed_size and n != obj.numel() - HEADER_BYTES):
-        raise CorruptObject(f"{key}: payload length {n} does not fit the object")
-    if not checksum:
-        return n
-    if not flags & (FLAG_CRC | FLAG_WSUM):
-        raise CorruptObject(f"{key}: written without a checksum")
-    payload = obj[HEADER_BYTES:HEADER_BYTES + n].numpy()
-    if flags & FLAG_CRC and zlib.crc32(payload) != crc:
-        raise CorruptObject(f"{key}: checksum mismatch")
-    if flags & FLAG_WSUM and not payload_checked_later:
-        from ascend_store.segments import wsum_host
+    offs, size = np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
+    fits = (size >= HEADER_BYTES) & (size <= limit) & (offs >= 0) & (offs + size <= host.size)
+    if codec.fixed_size:
+        fits &= size == limit
+    h = np.zeros(len(offs), dtype=HEADER_RECORD)
+    h[fits] = host[offs[fits][:, None] + np.arange(HEADER_BYTES)].view(HEADER_RECORD)[:, 0]
+    expect = np.frombuffer(fingerprints(keys, layout, codec.name), dtype="<u8")
+    n = h["payload"].astype(np.int64)
+    flags = h["flags"].astype(np.int64)
+    reasons = [
+        (~fits, "size {size} does not fit {limit}"),
+        ((h["magic"] != MAGIC) | (h["version"] != HEADER_VERSION) | (h["codec"] != codec.cid), "bad header"),
+        (h["fp"] != expect, "stored for another key or cache layout"),
+        ((n < 0) | (n > size - HEADER_BYTES) | (codec.fixed_size & (n != size - HEADER_BYTES)),
+         "payload length {n} does not fit the object"),
+        (checksum & ((flags & (FLAG_CRC | FLAG_WSUM)) == 0), "written without a checksum"),
+    ]
+    first = np.select([bad for bad, _ in reasons], list(range(1, len(reasons) + 1)), 0).tolist()
+    faults = [None if r == 0 else
+              f"{keys[i]}: " + reasons[r - 1][1].format(size=sizes[i], limit=limit, n=n[i])
+              for i, r in enumerate(first)]
+    if checksum:  # payload sums on the host: CRC32 (host writers), word sums unless later
+        on_host = (flags & (FLAG_CRC if wsum_later else FLAG_CRC | FLAG_WSUM)) != 0
+        for i in np.flatnonzero(on_host & (np.asarray(first) == 0)).tolist():
+            payload = host[offs[i] + HEADER_BYTES:offs[i] + HEADER_BYTES + n[i]]
+            if _payload_sum(payload, int(flags[i])) != int(h["crc"][i]):
+                faults[i] = f"{keys[i]}: checksum mismatch"
+    return faults, h
 
-        if wsum_host(payload) != crc:
-            raise CorruptObject(f"{key}: checksum mismatch")
-    return n
+
+def _payload_sum(payload: np.ndarray, flags: int) -> int:
+    if flags & FLAG_CRC:
+        return zlib.crc32(payload)
+    from ascend_store.segments import wsum_host
+
+    return wsum_host(payload)
+
+
+def check_header(obj: torch.Tensor, layout: LayerLayout, key: str, blocks_per_chunk: int, checksum: bool,
+                 codec) -> int:
+    """``header_faults`` for one object, raising CorruptObject; returns the payload length."""
+    host = obj.numpy()
+    faults, h = header_faults(host, [0], [host.size], [key], layout, blocks_per_chunk, checksum, codec)
+    if faults[0] is not None:
+        raise CorruptObject(faults[0])
+    return int(h["payload"][0])
+
+
+def decode_object(obj: torch.Tensor, n: int, layout: LayerLayout, block_ids: list[int], skip: int, key: str,
+                  blocks_per_chunk: int, codec) -> None:
+    """Decode a checked object's payload (``n`` bytes) pages ``skip..`` into ``block_ids``."""
+    try:
+        codec.decode(layout, obj[HEADER_BYTES:HEADER_BYTES + n], blocks_per_chunk, skip, block_ids)
+    except CorruptObject:
+        raise
+    except Exception as exc:  # a payload the codec cannot decode is corrupt, not a crash
+        raise CorruptObject(f"{key}: undecodable payload ({exc})") from None
 
 
 def read_object(obj: torch.Tensor, layout: LayerLayout, block_ids: list[int], skip: int, key: str,
@@ -188,10 +243,4 @@ def read_object(obj: torch.Tensor, layout: LayerLayout, block_ids: list[int], sk
     """Check ``obj`` against ``key``, the layout and the codec, then decode pages
     ``skip..`` into ``block_ids``."""
     n = check_header(obj, layout, key, blocks_per_chunk, checksum, codec)
-    payload = obj[HEADER_BYTES:HEADER_BYTES + n]
-    try:
-        codec.decode(layout, payload, blocks_per_chunk, skip, block_ids)
-    except CorruptObject:
-        raise
-    except Exception as exc:  # a payload the codec cannot decode is corrupt, not a crash
-        raise CorruptObject(f"{key}: undecodable payload ({exc})") from None
+    decode_object(obj, n, layout, block_ids, skip, key, blocks_per_chunk, codec)

@@ -17,6 +17,8 @@ is the KV bytes of the prompt over the pinned-copy bandwidth measured here.
 
 Needs vLLM (on the GPU machine: the offline kit of ../shared/gpu-kit) and, for lmcache,
 LMCache 0.5.3:  python benchmarks/e2e_gpu.py --geometry 1b 7b --json out.json
+Tables and a PNG from saved results (later files win per configuration), anywhere:
+    python benchmarks/e2e_gpu.py --merge a.json b.json --plot e2e.png
 """
 
 from __future__ import annotations
@@ -110,7 +112,10 @@ def child(spec: dict) -> None:
         out[n] = {"ttft_ms": sorted(times)[len(times) // 2] * 1e3, "all_ms": [t * 1e3 for t in times],
                   "token": tokens, "first_token": first.outputs[0].token_ids[0], "cached": cached}
     if spec.get("concurrent"):
-        out["concurrent"] = concurrent(llm, spec, conf, params)
+        try:
+            out["concurrent"] = concurrent(llm, spec, conf, params)
+        except Exception as exc:  # keep the single-request results if this vLLM differs
+            out["concurrent_error"] = repr(exc)
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -153,6 +158,47 @@ def link_gbs() -> float:
     return 3 * src.numel() / (time.perf_counter() - t0) / 1e9
 
 
+def report(results: dict, tokens: list[int]) -> None:
+    """One table per geometry: median TTFT per prompt length, the link floor, and whether
+    the first token matches recompute's."""
+    gbs = results["link_gbs"]
+    for geometry in sorted({k.split("/")[0] for k in results["runs"]}):
+        layers, _, _, kv, hd, _ = GEOMETRIES[geometry]
+        runs = {k.split("/")[1]: r for k, r in results["runs"].items() if k.startswith(geometry + "/")}
+        base = runs.get("recompute", {})
+        print(f"{geometry}: TTFT ms " + " ".join(f"{n // 1024:>7}K" for n in tokens) + "   same token")
+        for name, r in runs.items():
+            if "error" in r:
+                continue
+            same = all(r[str(n)]["token"][0] == base[str(n)]["token"][0] for n in tokens if str(n) in base)
+            print(f"  {name:<22}" + " ".join(f"{r[str(n)]['ttft_ms']:8.1f}" for n in tokens) + f"   {same}")
+        floor = [n * 2 * layers * kv * hd * 2 / gbs / 1e6 for n in tokens]
+        print(f"  {'link floor':<22}" + " ".join(f"{f:8.1f}" for f in floor))
+
+
+def plot(results: dict, tokens: list[int], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    geometries = sorted({k.split("/")[0] for k in results["runs"]})
+    fig, axes = plt.subplots(1, len(geometries), figsize=(6 * len(geometries), 4), squeeze=False)
+    for ax, geometry in zip(axes[0], geometries):
+        layers, _, _, kv, hd, _ = GEOMETRIES[geometry]
+        for key, r in results["runs"].items():
+            if key.startswith(geometry + "/") and "error" not in r:
+                ax.plot([n // 1024 for n in tokens], [r[str(n)]["ttft_ms"] for n in tokens], "o-",
+                        label=key.split("/")[1])
+        ax.plot([n // 1024 for n in tokens], [n * 2 * layers * kv * hd * 2 / results["link_gbs"] / 1e6
+                                              for n in tokens], "k--", label="link floor")
+        ax.set(title=f"{geometry}: TTFT of a full prefix hit", xlabel="prompt (K tokens)", ylabel="ms",
+               yscale="log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--geometry", nargs="+", default=["1b"], choices=list(GEOMETRIES))
@@ -164,10 +210,26 @@ def main() -> None:
                     help="also run this many requests at once sharing 90%% of a prompt")
     ap.add_argument("--concurrent-tokens", type=int, default=16384)
     ap.add_argument("--json")
+    ap.add_argument("--plot", help="write a PNG of TTFT against prompt length")
+    ap.add_argument("--merge", nargs="+", help="report saved results instead of running")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
         child(json.loads(args.child))
+        return
+    if args.merge:
+        results = {"runs": {}}
+        for path in args.merge:
+            with open(path) as f:
+                saved = json.load(f)
+            results["link_gbs"] = saved["link_gbs"]
+            results["runs"].update(saved["runs"])
+        report(results, args.tokens)
+        if args.plot:
+            plot(results, args.tokens, args.plot)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
         return
     gbs = link_gbs()
     print(f"pinned host->device copy: {gbs:.1f} GB/s", flush=True)
@@ -216,6 +278,9 @@ def main() -> None:
                     for name in [key.split("/")[1]] if "error" not in r and str(n) in base}
             print(f"{geometry} {n // 1024}K: link floor {floor:.1f} ms; "
                   f"same first token as recompute: {same}")
+    report(results, args.tokens)
+    if args.plot:
+        plot(results, args.tokens, args.plot)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ A synthetic forward with each layer's real work for Llama-3-8B and Qwen2.5-7B ge
 (QKV and output projections, attention of the new tokens over the cached prefix read
 from the paged cache, the gated MLP; bf16), fed by the connector's own load pipeline
 (``ascend_store.device_path.DevicePath``: per layer, DMA of the objects from the pinned
-arena and one scatter-and-sum kernel, on a side stream, checksums checked per layer; the
-compute stream waits on each layer's event before that layer runs). For each case, in
-one run:
+arena and one scatter-and-sum kernel on a side stream, every layer queued before the
+forward as the worker does; the compute stream waits on each layer's event before that
+layer runs; checksums compared at the end). For each case, in one run:
 
   ceiling    one pinned host->device copy of the same bytes (the link's limit)
   load       the pipeline alone: all layers' objects into the cache
@@ -27,7 +27,6 @@ import json
 import mmap
 import os
 import sys
-import threading
 import time
 
 import torch
@@ -87,14 +86,14 @@ def sync(dev) -> None:
         torch.cuda.synchronize()
 
 
-def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", window: int = 4) -> dict:
+def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda") -> dict:
     dev = torch.device(device)
     nblocks = cached // BLOCK
     caches = [torch.zeros(2, nblocks + 8, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
               for _ in range(LAYERS)]
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     layouts = {n: LayerLayout(c, 1, (KV_HEADS, BLOCK, HEAD_DIM)) for n, c in zip(names, caches)}
-    path = DevicePath(dev, layouts, window)
+    path = DevicePath(dev, layouts)
     raw = get_codec("raw")
     per_obj = object_bytes(layouts[names[0]], CHUNK_BLOCKS, raw)
     obj = aligned(per_obj)
@@ -115,7 +114,8 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", window:
                             [f"k/L{li}/{c}" for c in range(nobj)])
         filler_path = DevicePath(dev, {name: filler})
         q = filler_path.save_layer(arena, objs, None)
-        for off, s in zip(offs, filler_path.finish_save(q)):
+        objs.stored = filler_path.finish_save(q)  # what the worker reads from the headers
+        for off, s in zip(offs, objs.stored):
             seal(arena[off:off + per_obj], per_obj - HEADER_BYTES, layouts[name], "k", raw, True, wsum=s)
         layers.append(objs)
     kv_bytes = 2 * nblocks * BLOCK * KV_HEADS * HEAD_DIM * 2 * LAYERS
@@ -127,20 +127,23 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", window:
         x = x0
         for li, name in enumerate(names):
             if events is not None:
-                events[name].wait()
-                path.dev.wait(events.get(name + "/ev"))
+                path.dev.wait(events[name])
             x = model.layer(x, caches[li], blocks)
         return x
 
     def load(events):
-        def ready(name, ev):
-            events[name + "/ev"] = ev
-            events[name].set()
+        """Queue every layer's copy (no host waits), as the worker does before the forward."""
+        queued = []
+        for objs in layers:
+            q = path.queue_load(arena, objs)
+            events[objs.name] = q.done
+            queued.append(q)
+        return queued
 
-        def failed(name, bad):
-            raise AssertionError(f"{name}: {len(bad)} objects failed their checksum")
-
-        path.load_layers(arena, layers, True, ready, failed)
+    def check(queued):
+        for q in queued:
+            if path.check_load(q, True):
+                raise AssertionError(f"{q.objs.name}: objects failed their checksum")
 
     def timed(fn) -> float:
         sync(dev)
@@ -158,17 +161,17 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", window:
             saver.finish_save(q)
 
     def load_only():
-        ev = {n: threading.Event() for n in names}
-        load(ev)
+        events = {}
+        queued = load(events)
         for n in names:
-            path.dev.wait(ev[n + "/ev"])
+            path.dev.wait(events[n])
+        check(queued)
 
     def overlap():
-        ev = {n: threading.Event() for n in names}
-        t = threading.Thread(target=load, args=(ev,))
-        t.start()
-        forward(ev)
-        t.join()
+        events = {}
+        queued = load(events)
+        forward(events)
+        check(queued)
 
     pinned = torch.empty(kv_bytes // LAYERS, dtype=torch.uint8)
     pinned = pinned.pin_memory() if dev.type == "cuda" else pinned
@@ -202,7 +205,6 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the same code (slow)")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--window", type=int, default=4, help="layers a load keeps in flight")
     ap.add_argument("--geometry", nargs="+", default=list(GEOMETRIES), choices=list(GEOMETRIES))
     args = ap.parse_args()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
@@ -215,7 +217,7 @@ def main() -> None:
         use(geometry)
         for cached in args.cached:
             for new in args.new:
-                r = {"geometry": geometry, **run_case(cached, new, args.reps, args.device, args.window)}
+                r = {"geometry": geometry, **run_case(cached, new, args.reps, args.device)}
                 rows.append(r)
                 print(" ".join(f"{r[c]:>16.2f}" if isinstance(r[c], float) else f"{r[c]:>16}" for c in cols),
                       flush=True)

@@ -9,10 +9,16 @@ from tests.e2e.conftest import assert_same_outputs, kv_config, prompts, run_engi
 pytestmark = pytest.mark.e2e
 
 
-def test_int8_codec_fresh_engine_loads_close_to_baseline(tmp_path, model, baseline, pool):
-    kv = kv_config(pool.socket, codec="int8", local={"start": "never"})
+@pytest.mark.parametrize("save_path,load_path", [("per_block", "per_block"), ("batched", "per_block"),
+                                                 ("per_block", "batched")])
+def test_int8_codec_fresh_engine_loads_close_to_baseline(tmp_path, model, baseline, pool, save_path,
+                                                         load_path):
+    """The host codec and the batched path's device (de)quantization (run here by its
+    torch ops on CPU) write the same objects: each reads what the other wrote."""
+    kv = kv_config(pool.socket, codec="int8", local={"start": "never"}, copy_path=save_path)
     a = run_engine(tmp_path, model, [prompts()], kv)
     assert a["worker"]["saved_bytes"] < 0.55 * a["worker"]["saved_raw_bytes"] * 2  # vs bf16 bytes
+    kv = kv_config(pool.socket, codec="int8", local={"start": "never"}, copy_path=load_path)
     b = run_engine(tmp_path, model, [prompts()], kv)
     got = b["rounds"][0]
     assert [o["num_cached_tokens"] for o in got] == [96, 128, 159]

@@ -174,3 +174,9 @@ def test_check_transfer_config_rejects_roles(role):
 def test_check_transfer_config_validates_extra_config():
     with pytest.raises(ConfigError, match="local.capasity"):
         check_transfer_config(_transfer("kv_both", {"local": {"capasity": 1}}))
+
+
+def test_batched_copy_path_takes_fixed_size_codecs_only():
+    assert StoreConfig.parse({"copy_path": "batched", "codec": "int8"}).copy_path == "batched"
+    with pytest.raises(ConfigError, match="copy_path.*zstd"):
+        StoreConfig.parse({"copy_path": "batched", "codec": "zstd"})

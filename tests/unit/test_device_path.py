@@ -14,7 +14,15 @@ import torch
 
 from ascend_store.codecs import get_codec
 from ascend_store.device_path import DevicePath, LayerObjects
-from ascend_store.transfer import HEADER_BYTES, LayerLayout, object_bytes, read_object, seal
+from ascend_store.transfer import (
+    FLAG_WSUM,
+    HEADER_BYTES,
+    LayerLayout,
+    header_faults,
+    object_bytes,
+    read_object,
+    seal,
+)
 
 NB, T, H, D = 12, 16, 2, 64
 RAW = get_codec("raw")
@@ -26,6 +34,21 @@ def _layers(device):
     fa = torch.randn(2, NB, T, H, D, dtype=torch.bfloat16, device=device)  # K and V apart
     blk = torch.randn(NB, H, T, 2 * D, dtype=torch.bfloat16, device=device)  # block-major
     return {"a": LayerLayout(fa, 1), "b": LayerLayout(blk, 0)}
+
+
+def _load_all(path, arena, objs, layouts, ready=lambda name, event: None):
+    """What the worker does: check the headers (taking each one's word checksum), queue
+    every layer's copy, then check the sums; returns (layer, bad indexes) per layer."""
+    queued = []
+    for o in objs.values():
+        faults, h = header_faults(arena.numpy(), o.offsets, o.sizes, o.keys, layouts[o.name], 3, True, RAW,
+                                  wsum_later=True)
+        assert faults == [None] * len(o.offsets)
+        o.stored = [int(c) if f & FLAG_WSUM else -1 for c, f in zip(h["crc"], h["flags"])]
+        q = path.queue_load(arena, o)
+        ready(o.name, q.done)
+        queued.append(q)
+    return [(q.objs.name, path.check_load(q, True)) for q in queued]
 
 
 def _objects(layouts, blocks_per_obj=3):
@@ -66,14 +89,14 @@ def test_save_then_load_through_the_pinned_arena(device):
     empty = {n: LayerLayout(torch.zeros_like(lay.tensor), lay.block_dim) for n, lay in layouts.items()}
     loader = DevicePath(torch.device(device), empty)
     arena2 = loader.arena(1, mapping)
-    seen, bad = [], []
+    seen = []
 
     def ready(name, event):
         seen.append(name)
         loader.dev.wait(event)  # the compute stream waits; the host does not
 
-    loader.load_layers(arena2, list(objs.values()), True, ready, lambda name, i: bad.append((name, i)))
-    assert seen == ["a", "b"] and bad == []
+    assert _load_all(loader, arena2, objs, empty, ready) == [("a", []), ("b", [])]
+    assert seen == ["a", "b"]
     for name, o in objs.items():
         for blocks in o.blocks:
             for b in blocks:
@@ -94,12 +117,7 @@ def test_a_flipped_byte_fails_only_its_object(device):
             seal(arena[off:off + size], size - HEADER_BYTES, layouts[name], key, RAW, True, wsum=wsum)
     o = objs["b"]
     arena[o.offsets[1] + HEADER_BYTES + 1000] ^= 0x04
-    results = []
-    path.load_layers(arena, list(objs.values()), True, lambda n, ev: None,
-                     lambda n, bad: results.append((n, bad)))
-    if path.dev.is_accelerator:
-        torch.cuda.synchronize()
-    assert results == [("b", [1])]
+    assert _load_all(path, arena, objs, layouts) == [("a", []), ("b", [1])]
     path.close()
 
 
@@ -109,3 +127,68 @@ def test_adjacent_slots_are_read_in_one_run():
     spans, staged = _spans([1024, 0, 9000, 520, 20000], [500, 500, 500, 500, 500])
     assert spans == [(0, 1524), (9000, 9500), (20000, 20500)]
     assert staged == [1024, 0, 1524, 520, 2024]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_layers_match_the_host_codec_both_ways(device):
+    """int8 layers are (de)quantized by whole-layer tensor ops on the device: what they
+    write, the host codec reads, and what the host codec wrote, they load identically;
+    a flipped payload byte still fails its object."""
+    int8 = get_codec("int8")
+    torch.manual_seed(1)
+    fa = torch.randn(2, NB, T, H, D, dtype=torch.bfloat16, device=device)
+    cpu_style = torch.randn(NB, H, T, 2 * D, dtype=torch.bfloat16, device=device)
+    layouts = {"a": LayerLayout(fa, 1, (H, T, D)), "b": LayerLayout(cpu_style, 0, (H, T, D))}
+    size = object_bytes(layouts["a"], 3, int8)
+    slot = (size + 511) // 512 * 512
+    objs = {name: LayerObjects(name, [2 * i * slot, (2 * i + 1) * slot], [size, size], [[1, 4, 7], [9, 2, 5]],
+                               [0, 0], [f"k/{name}/0", f"k/{name}/1"]) for i, name in enumerate(layouts)}
+    path = DevicePath(torch.device(device), layouts, {n: int8 for n in layouts})
+    arena = path.arena(1, mmap.mmap(-1, 4 * slot))
+    for name, o in objs.items():
+        q = path.save_layer(arena, o, path.dev.record())
+        for key, off, wsum in zip(o.keys, o.offsets, path.finish_save(q)):
+            seal(arena[off:off + size], size - HEADER_BYTES, layouts[name], key, int8, True, wsum=wsum)
+
+    host = {n: LayerLayout(lay.tensor.cpu(), lay.block_dim, lay.kv_dims) for n, lay in layouts.items()}
+    for name, o in objs.items():
+        dst = LayerLayout(torch.zeros_like(host[name].tensor), host[name].block_dim, host[name].kv_dims)
+        for key, off, blocks in zip(o.keys, o.offsets, o.blocks):
+            read_object(arena[off:off + size], dst, blocks, 0, key, 3, True, int8)  # checks the word sums
+            ref = torch.empty(size - HEADER_BYTES, dtype=torch.uint8)
+            int8.encode_into(host[name], blocks, ref)  # the host codec on the same pages
+            if device == "cpu":  # same ops on the same device: the same bytes
+                assert torch.equal(arena[off + HEADER_BYTES:off + size], ref)
+            for b in blocks:
+                want = host[name].page(b).float()
+                assert (dst.page(b).float() - want).norm() / want.norm() < 0.01
+
+    empty = {n: LayerLayout(torch.zeros_like(lay.tensor), lay.block_dim, lay.kv_dims)
+             for n, lay in layouts.items()}
+    loader = DevicePath(torch.device(device), empty, {n: int8 for n in empty})
+    queued = []
+    for name, o in objs.items():
+        faults, h = header_faults(arena.numpy(), o.offsets, o.sizes, o.keys, empty[name], 3, True, int8,
+                                  wsum_later=True)
+        assert faults == [None, None]
+        o.stored = h["crc"].astype("int64").tolist()
+        queued.append(loader.queue_load(arena, o))
+    assert [loader.check_load(q, True) for q in queued] == [[], []]
+    for name, o in objs.items():
+        dst = LayerLayout(torch.zeros_like(host[name].tensor), host[name].block_dim, host[name].kv_dims)
+        for key, off, blocks in zip(o.keys, o.offsets, o.blocks):
+            read_object(arena[off:off + size], dst, blocks, 0, key, 3, True, int8)
+            for b in blocks:
+                assert torch.equal(empty[name].page(b).cpu(), dst.page(b))
+
+    # A partial load (the device cache held the chunk's first page): pages 1.. only.
+    o = objs["a"]
+    part = LayerObjects("a", o.offsets[:1], o.sizes[:1], [[10, 11]], [1], o.keys[:1], o.stored[:1])
+    assert loader.check_load(loader.queue_load(arena, part), True) == []
+    for src, dst in ((4, 10), (7, 11)):
+        assert torch.equal(empty["a"].page(dst), empty["a"].page(src))
+
+    arena[objs["b"].offsets[0] + HEADER_BYTES + 77] ^= 0x10
+    assert loader.check_load(loader.queue_load(arena, objs["b"]), True) == [0]
+    path.close()
+    loader.close()
