@@ -19,6 +19,10 @@ the host:
   after the layer wrote its KV; the headers (with the sums the copy accumulated) are
   written when the copy is done, before the objects are committed.
 
+Layers stored with the int8 codec take the same DMAs, but their pages are quantized or
+dequantized by whole-layer tensor ops (``codecs.quantize``/``dequantize``) instead of the
+copy kernel, and their word sums are computed per object.
+
 vLLM-free, so ``benchmarks/layerwise.py`` drives exactly this code.
 """
 

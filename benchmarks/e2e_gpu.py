@@ -186,10 +186,11 @@ def plot(results: dict, tokens: list[int], path: str) -> None:
     fig, axes = plt.subplots(1, len(geometries), figsize=(6 * len(geometries), 4), squeeze=False)
     for ax, geometry in zip(axes[0], geometries):
         layers, _, _, kv, hd, _ = GEOMETRIES[geometry]
-        for key, r in results["runs"].items():
-            if key.startswith(geometry + "/") and "error" not in r:
+        for i, name in enumerate(CONFIGS):  # one colour per configuration in every panel
+            r = results["runs"].get(f"{geometry}/{name}")
+            if r is not None and "error" not in r:
                 ax.plot([n // 1024 for n in tokens], [r[str(n)]["ttft_ms"] for n in tokens], "o-",
-                        label=key.split("/")[1])
+                        color=f"C{i}", label=name)
         ax.plot([n // 1024 for n in tokens], [n * 2 * layers * kv * hd * 2 / results["link_gbs"] / 1e6
                                               for n in tokens], "k--", label="link floor")
         ax.set(title=f"{geometry}: TTFT of a full prefix hit", xlabel="prompt (K tokens)", ylabel="ms",

@@ -109,6 +109,7 @@ def main(job_path: str) -> None:
         result["step_hooks"] = list(worker.step_hooks)
         result["layers"] = len(worker.order)
         result["load_step_layers"] = list(worker.load_step_layers)
+        result["copy_path"] = "batched" if worker.device_path is not None else "per_block"
     if scheduler is not None:
         result["scheduler"] = dict(scheduler.counters.total)
         result["scheduler_requests"] = len(scheduler._reqs)

@@ -20,6 +20,7 @@ def test_int8_codec_fresh_engine_loads_close_to_baseline(tmp_path, model, baseli
     assert a["worker"]["saved_bytes"] < 0.55 * a["worker"]["saved_raw_bytes"] * 2  # vs bf16 bytes
     kv = kv_config(pool.socket, codec="int8", local={"start": "never"}, copy_path=load_path)
     b = run_engine(tmp_path, model, [prompts()], kv)
+    assert (a["copy_path"], b["copy_path"]) == (save_path, load_path)
     got = b["rounds"][0]
     assert [o["num_cached_tokens"] for o in got] == [96, 128, 159]
     assert b["worker"]["failed_blocks"] == 0

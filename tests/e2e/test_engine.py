@@ -20,6 +20,7 @@ TAMPER = f"{sys.executable} {os.path.join(REPO, 'tests', 'e2e', 'pool_tamper.py'
 def test_fresh_engine_loads_from_standalone_pool(tmp_path, model, baseline, pool, layerwise, copy_path):
     kv = kv_config(pool.socket, use_layerwise=layerwise, local={"start": "never"}, copy_path=copy_path)
     a = run_engine(tmp_path, model, [prompts()], kv)
+    assert a["copy_path"] == ("batched" if copy_path == "batched" else "per_block")  # auto: per_block on CPU
     assert_same_outputs(a["rounds"][0], baseline)
     assert a["worker"]["saved_objects"] > 0
     if layerwise:  # one wait and one save per attention layer in every forward step
@@ -62,6 +63,7 @@ def test_corrupt_or_misplaced_objects_are_recomputed_then_republished(tmp_path, 
     between = [f"{TAMPER} flip {pool.socket} basic:0 && {TAMPER} swap {pool.socket} basic:2"]
     r = run_engine(tmp_path, model, [prompts()] * 4, kv_config(pool.socket, copy_path=copy_path),
                    between=between)
+    assert r["copy_path"] == copy_path
     for out in r["rounds"]:
         assert_same_outputs(out, baseline)
     assert r["per_round"][1]["worker"]["load_corrupt"] > 0
