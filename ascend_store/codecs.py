@@ -113,16 +113,16 @@ class Int8Codec(Codec):
 
     def encode_into(self, layout, block_ids, payload):
         q, k_scale, v_scale = (v[0] for v in self.split_rows(layout, payload.view(1, -1), len(block_ids)))
-        x = torch.stack([layout.canonical(layout.page(b)) for b in block_ids])
+        x = layout.canonical_blocks()[torch.tensor(block_ids, device=layout.tensor.device)]
         for dst, src in zip((q, k_scale, v_scale), quantize(x)):
             dst.copy_(src)
 
     def decode(self, layout, payload, n, skip, block_ids):
         q, k_scale, v_scale = (v[0, skip:skip + len(block_ids)]
                                for v in self.split_rows(layout, payload.view(1, -1), n))
-        x = dequantize(q, k_scale, v_scale)
-        for i, b in enumerate(block_ids):
-            layout.canonical(layout.page(b)).copy_(x[i])
+        view = layout.canonical_blocks()
+        x = dequantize(q, k_scale, v_scale).to(view.device, view.dtype)  # the payload is in host memory
+        view[torch.tensor(block_ids, device=view.device)] = x
 
 
 class ZstdCodec(Codec):

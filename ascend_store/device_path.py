@@ -38,12 +38,13 @@ from ascend_store.device import Device
 from ascend_store.segments import (
     WORD,
     LayerCopy,
-    fold_array,
+    fold_sums,
     object_sums,
     page_plan,
     plan_objects,
     run_copy,
     storage_words,
+    word_sums,
 )
 from ascend_store.transfer import HEADER_BYTES, LayerLayout
 
@@ -81,18 +82,8 @@ class QueuedSave:
 
 
 def _folded(sums: torch.Tensor, copy: LayerCopy | None, n: int) -> list[int]:
-    if copy is not None:
-        return object_sums(copy, sums.numpy(), n)
-    words = sums.numpy().astype(np.int64).view(np.uint64)
-    return fold_array(words[:, 0], words[:, 1]).tolist()
-
-
-def _word_sums(rows: torch.Tensor) -> torch.Tensor:
-    """The (s1, s2) word sums of each payload row [N, bytes] (segments.py's checksum;
-    int64 arithmetic wraps like the uint64 sums there)."""
-    w = rows.view(torch.int64)
-    i = torch.arange(1, w.shape[1] + 1, dtype=torch.int64, device=w.device)
-    return torch.stack([w.sum(1), (w * i).sum(1)], dim=1)
+    """Per-object checksums from a copy's per-segment sums, or from per-object sums."""
+    return object_sums(copy, sums.numpy(), n) if copy is not None else fold_sums(sums.numpy())
 
 
 class DevicePath:
@@ -159,9 +150,9 @@ class DevicePath:
         device memory (one DMA per run of adjacent slots), then a kernel scatters their
         pages into the cache and sums them; kernels never wait on the link, so compute
         keeps every SM. On CPU the pages are copied straight from the arena."""
-        items = list(zip(objs.offsets, objs.blocks, objs.skips))
         if objs.name in self.int8:
             return self._load_int8(arena, objs)
+        items = list(zip(objs.offsets, objs.blocks, objs.skips))
         if not self.dev.is_accelerator:
             copy = plan_objects(self.plans[objs.name], items, load=True)
             return copy, run_copy(copy, arena.view(torch.int64), self.words[objs.name], self.dev.device)
@@ -208,7 +199,7 @@ class DevicePath:
             obj, page, block = self._pages(objs)
             view = self.blocks_view[objs.name]
             view[block] = dequantize(q[obj, page], ks[obj, page], vs[obj, page]).to(view.dtype)
-        return None, self._to_host(_word_sums(rows))
+        return None, self._to_host(word_sums(rows))
 
     def _to_host(self, sums: torch.Tensor) -> torch.Tensor:
         if not self.dev.is_accelerator:
@@ -254,7 +245,7 @@ class DevicePath:
                            device=self.dev.device)
         for dst, src in zip(codec.split_rows(layout, rows, n), quantize(self.blocks_view[objs.name][block])):
             dst.copy_(src.view(dst.shape))
-        sums = self._to_host(_word_sums(rows))
+        sums = self._to_host(word_sums(rows))
         for off, row in zip(objs.offsets, rows):
             arena[off + HEADER_BYTES:off + HEADER_BYTES + row.numel()].copy_(row, non_blocking=True)
         return QueuedSave(objs, self.dev.record(self.save_stream), sums, None, rows)

@@ -40,27 +40,31 @@ def _U(v: int):
     return np.uint64(v)
 
 
-def fold(s1: int, s2: int) -> int:
-    """The 32-bit value stored in the header for word sums ``s1``, ``s2``: both go
-    through a 64-bit mixer, so a change in either changes the result (a plain xor of
-    the two would cancel a change that moves both sums alike)."""
-    return int(fold_array(np.asarray([s1 & MASK], dtype=np.uint64),
-                          np.asarray([s2 & MASK], dtype=np.uint64))[0])
-
-
 def fold_array(s1: np.ndarray, s2: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         h = _mix(_mix(s1) ^ s2)
     return ((h ^ (h >> _U(32))) & _U(0xFFFFFFFF)).astype(np.int64)
 
 
+def word_sums(rows: torch.Tensor) -> torch.Tensor:
+    """(s1, s2) of each payload row [N, bytes] (bytes % 8 == 0), on the rows' device: the
+    checksum's one definition; int64 arithmetic wraps like the uint64 sums it stands for."""
+    w = rows.view(torch.int64)
+    i = torch.arange(1, w.shape[1] + 1, dtype=torch.int64, device=w.device)
+    return torch.stack([w.sum(1), (w * i).sum(1)], dim=1)
+
+
+def fold_sums(sums: np.ndarray) -> list[int]:
+    """The 32-bit values stored in headers for per-object (s1, s2) rows (``word_sums``).
+    Both sums go through a 64-bit mixer, so a change in either changes the result (a
+    plain xor of the two would cancel a change that moves both sums alike)."""
+    u = sums.astype(np.int64).view(np.uint64)
+    return fold_array(u[:, 0], u[:, 1]).tolist()
+
+
 def wsum_host(payload: np.ndarray) -> int:
     """The folded word checksum of a payload in host memory (uint8, length % 8 == 0)."""
-    w = payload.view(np.uint64)
-    with np.errstate(over="ignore"):
-        s1 = int(w.sum(dtype=np.uint64))
-        s2 = int((w * np.arange(1, w.size + 1, dtype=np.uint64)).sum(dtype=np.uint64))
-    return fold(s1, s2)
+    return fold_sums(word_sums(torch.from_numpy(payload).view(1, -1)).numpy())[0]
 
 
 @dataclass(frozen=True)
