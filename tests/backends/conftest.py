@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +24,29 @@ from tests.e2e.conftest import Pool
 
 IN_NETNS = os.environ.get("ASCEND_STORE_NETNS") == "1"
 BIN = os.path.dirname(sys.executable)
-_ports = itertools.count(51000, 10)
+# Below Linux's ephemeral range (32768+), so no outgoing connection holds a service port
+# when its server binds it, and above the ports Mooncake's transfer engines pick at random.
+_ports = itertools.count(26000, 10)
+
+
+def _tail(path, n: int = 3000) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()[-n:]
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, log_path, what: str, within_s: float = 30.0):
+    """Return once ``proc`` accepts connections on ``port``; fail with its log if it exits
+    or does not come up (a slow CI machine needs longer than a fixed sleep)."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}):\n{_tail(log_path)}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{what} not listening on {port} after {within_s:.0f} s:\n{_tail(log_path)}")
 
 
 def make_backend(kind: str, params: dict, timeout_s: float = 2.0, role: str = "worker"):
@@ -74,24 +97,31 @@ def _mooncake(tmp_path) -> Service:
     port = next(_ports)
     cap = 32 * 2**20
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-    procs: list[subprocess.Popen] = []
+    procs: list[tuple[subprocess.Popen, object]] = []  # (process, its log)
+    starts = itertools.count()
+
+    def spawn(name: str, args: list[str], listen_port: int, n: int) -> None:
+        log_path = tmp_path / f"{name}-{n}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([f"{BIN}/{name}", *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs.append((proc, log_path))
+        _wait_listening(listen_port, proc, log_path, name)
 
     def start():
-        log = open(tmp_path / f"mooncake-{len(procs)}.log", "w")
-        procs.append(subprocess.Popen([f"{BIN}/mooncake_master", "--rpc_address=127.0.0.1",
-                                       f"--rpc_port={port}", f"--metrics_port={port + 1}"],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
-        time.sleep(0.5)
-        procs.append(subprocess.Popen([f"{BIN}/mooncake_client", "--host=127.0.0.1", f"--port={port + 2}",
-                                       f"--global_segment_size={cap // 2**20}MB",
-                                       f"--master_server_address=127.0.0.1:{port}",
-                                       "--metadata_server=P2PHANDSHAKE", "--protocol=tcp"],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
-        time.sleep(1.5)
+        n = next(starts)
+        spawn("mooncake_master", ["--rpc_address=127.0.0.1", f"--rpc_port={port}",
+                                  f"--metrics_port={port + 1}"], port, n)
+        # The client serves its port only after it has mounted its segment in the master.
+        spawn("mooncake_client", ["--host=127.0.0.1", f"--port={port + 2}",
+                                  f"--global_segment_size={cap // 2**20}MB",
+                                  f"--master_server_address=127.0.0.1:{port}",
+                                  "--metadata_server=P2PHANDSHAKE", "--protocol=tcp"], port + 2, n)
 
     def stop():
         while procs:
-            p = procs.pop()
+            p, log_path = procs.pop()
+            if p.poll() is not None:  # it died before we stopped it: show why in the test's output
+                print(f"{p.args[0]} had exited ({p.returncode}):\n{_tail(log_path)}")
             p.kill()
             p.wait()
 
