@@ -103,5 +103,9 @@ class KeySpace:
     tp_rank: int
     tp_size: int
 
+    def prefix(self, group: int, layer: int) -> str:
+        """What every key of one layer starts with: its chunk hash follows."""
+        return f"{self.namespace}/g{group}/tp{self.tp_rank}of{self.tp_size}/L{layer}/"
+
     def key(self, group: int, layer: int, chunk_hash: str) -> str:
-        return f"{self.namespace}/g{group}/tp{self.tp_rank}of{self.tp_size}/L{layer}/{chunk_hash}"
+        return self.prefix(group, layer) + chunk_hash

@@ -138,7 +138,12 @@ def plan_objects(plan: PagePlan, objects: list[tuple[int, list[int], int]], load
     seg_words = plan.seg_bytes // WORD
     offs = np.asarray([o for o, _, _ in objects], dtype=np.int64)
     counts = np.asarray([skip + len(blocks) for _, blocks, skip in objects], dtype=np.int64)
-    blocks = np.asarray([b for _, bl, skip in objects for b in [-1] * skip + list(bl)], dtype=np.int64)
+    flat: list[int] = []  # block per page, -1 for skipped pages
+    for _, bl, skip in objects:
+        if skip:
+            flat += [-1] * skip
+        flat += bl
+    blocks = np.asarray(flat, dtype=np.int64)
     obj = np.repeat(np.arange(len(objects), dtype=np.int64), counts)  # per page
     page = np.arange(len(obj), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     seg = np.arange(per_page, dtype=np.int64)

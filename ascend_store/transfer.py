@@ -159,16 +159,27 @@ def write_object(obj: torch.Tensor, layout: LayerLayout, block_ids: list[int], k
 def seal(obj: torch.Tensor, payload_len: int, layout: LayerLayout, key: str, codec, checksum: bool,
          wsum: int | None = None) -> None:
     """Write the header of an object whose payload is already in ``obj[HEADER_BYTES:]``
-    (``wsum``: the word checksum the copy computed, instead of a CRC32 here)."""
+    (``wsum``: the word checksum a copy computed, instead of a CRC32 here)."""
     if not checksum:
         flags, crc = 0, 0
     elif wsum is not None:
         flags, crc = FLAG_WSUM, wsum
     else:
         flags, crc = FLAG_CRC, zlib.crc32(obj[HEADER_BYTES:HEADER_BYTES + payload_len].numpy())
-    header = HEADER.pack(MAGIC, HEADER_VERSION, flags, fingerprint(key, layout, codec.name), payload_len,
-                         crc, codec.cid, 0)
-    obj[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    seal_headers(obj.numpy(), [0], [payload_len], [key], layout, codec, flags, [crc])
+
+
+def seal_headers(host: np.ndarray, offsets: list[int], payload_lens: list[int], keys: list[str],
+                 layout: LayerLayout, codec, flags: int, sums: list[int]) -> None:
+    """Write the headers of many objects in ``host`` (uint8) at once (a layer's objects
+    in a step): ``sums`` are their payloads' checksums of the kind ``flags`` names."""
+    h = np.zeros(len(offsets), dtype=HEADER_RECORD)
+    h["magic"], h["version"], h["flags"], h["codec"] = MAGIC, HEADER_VERSION, flags, codec.cid
+    h["fp"] = np.frombuffer(fingerprints(keys, layout, codec.name), dtype="<u8")
+    h["payload"] = payload_lens
+    h["crc"] = sums if flags else 0
+    at = np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(HEADER_BYTES)
+    host[at] = h.view(np.uint8).reshape(-1, HEADER_BYTES)
 
 
 def header_faults(host: np.ndarray, offsets: list[int], sizes: list[int], keys: list[str],

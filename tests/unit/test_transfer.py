@@ -7,11 +7,14 @@ import torch
 
 from ascend_store.codecs import RAW
 from ascend_store.transfer import (
+    FLAG_WSUM,
     HEADER_BYTES,
     CorruptObject,
     LayerLayout,
     object_bytes,
     read_object,
+    seal,
+    seal_headers,
     write_object,
 )
 
@@ -159,6 +162,22 @@ def test_object_depends_only_on_content():
     b = torch.full((object_bytes(sl, 2, RAW),), 0xAB, dtype=torch.uint8)  # dirty buffer
     write_object(b, sl, [1, 4], KEY, checksum=True, codec=RAW)
     assert torch.equal(a, b)
+
+
+def test_headers_sealed_at_once_equal_one_by_one():
+    # The batched path writes a layer's headers in one pass: byte for byte what sealing
+    # each object alone writes, for every key and checksum.
+    sl = LayerLayout.of(_fill(cpu_cache(), seed=6), NUM_BLOCKS)
+    size = object_bytes(sl, 2, RAW)
+    keys, sums = [f"{KEY}/{i}" for i in range(5)], [7, 0, 2**32 - 1, 12345, 99]
+    payload = _fill(torch.empty(5 * size // 4, dtype=torch.float32), seed=7).view(torch.uint8)
+    one, many = payload.clone(), payload.clone()
+    for i, (key, wsum) in enumerate(zip(keys, sums)):
+        seal(one[i * size:(i + 1) * size], size - HEADER_BYTES, sl, key, RAW, True, wsum=wsum)
+    seal_headers(many.numpy(), [i * size for i in range(5)], [size - HEADER_BYTES] * 5, keys, sl, RAW,
+                 FLAG_WSUM, sums)
+    assert torch.equal(one, many)
+    assert not torch.equal(one[:HEADER_BYTES], payload[:HEADER_BYTES])
 
 
 # -- corruption --------------------------------------------------------------------------

@@ -15,9 +15,10 @@ import secrets
 import threading
 import time
 
+import numpy as np
 import zmq
 
-from ascend_store.backends.base import Backend, BackendUnavailable, Slot, Status
+from ascend_store.backends.base import STATUSES, Backend, BackendUnavailable, Slot, Status
 from ascend_store.backends.local import protocol
 from ascend_store.backends.local.launcher import ensure_pool
 
@@ -120,7 +121,7 @@ class LocalBackend(Backend):
         if not keys:
             return []
         r = self._call("reserve", keys=keys, sizes=sizes, owner=self.owner)
-        return [self._slot(s, o, n) for s, o, n in zip(r["status"], r["offsets"], sizes)]
+        return self._slots(r["status"], r["offsets"], sizes)
 
     def commit(self, keys):
         return [Status(s) for s in self._call("commit", keys=keys)["status"]] if keys else []
@@ -133,7 +134,7 @@ class LocalBackend(Backend):
         if not keys:
             return []
         r = self._call("lease", keys=keys)
-        return [self._slot(s, o, n) for s, o, n in zip(r["status"], r["offsets"], r["sizes"])]
+        return self._slots(r["status"], r["offsets"], r["sizes"])
 
     def release(self, keys):
         if keys:
@@ -148,12 +149,14 @@ class LocalBackend(Backend):
     def list(self, prefix: str = ""):
         return self._call("list", prefix=prefix)["entries"]
 
-    def _slot(self, status: int, offset: int, size: int) -> Slot:
-        status = Status(status)
+    def _slots(self, statuses: list[int], offsets: list[int], sizes: list[int]) -> list[Slot]:
         limit = len(self._view) if self._view is not None else self.cfg.capacity
-        if status is Status.OK and (offset < 0 or offset + size > limit):
-            raise BackendUnavailable(f"pool returned an out-of-bounds slot {offset}+{size}")
-        return Slot(status, offset, size)
+        st, off = np.asarray(statuses), np.asarray(offsets, dtype=np.int64)
+        out = (st == Status.OK) & ((off < 0) | (off + np.asarray(sizes, dtype=np.int64) > limit))
+        if out.any():
+            i = int(np.flatnonzero(out)[0])
+            raise BackendUnavailable(f"pool returned an out-of-bounds slot {offsets[i]}+{sizes[i]}")
+        return [Slot(STATUSES[s], o, n) for s, o, n in zip(statuses, offsets, sizes)]
 
     def close(self) -> None:
         with self._lock:
