@@ -27,10 +27,12 @@ from ascend_store.pool_scheduler import PoolScheduler
 BLOCK = 128
 
 
-def fake_vllm(layers: int):
+def fake_vllm(layers: int, block: int = BLOCK):
+    """The parts of vLLM's config the connector's halves read, and a KV cache config's
+    layer names (benchmarks/worker_host.py uses it too)."""
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(model="bench-model", revision=None, dtype="bfloat16"),
-        cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
+        cache_config=SimpleNamespace(block_size=block, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         device_config=SimpleNamespace(device_type="cpu"))
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]

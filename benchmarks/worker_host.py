@@ -28,11 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from lookup import fake_vllm  # noqa: E402
+
 from ascend_store import kernels  # noqa: E402
 from ascend_store.backends.local.launcher import ping  # noqa: E402
 from ascend_store.config import StoreConfig  # noqa: E402
@@ -74,12 +75,8 @@ class Timers:
 def engine_parts(layers: int, kv_heads: int, head_dim: int, block: int, num_blocks: int):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(model="bench-model", revision=None, dtype="bfloat16"),
-        cache_config=SimpleNamespace(block_size=block, cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        device_config=SimpleNamespace(device_type="cpu"))
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    vllm_config, groups = fake_vllm(layers, block)
+    names = groups.kv_cache_groups[0].layer_names
     spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=head_dim,
                              dtype=torch.bfloat16)
     kv_cache_config = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(names, spec)])
