@@ -262,7 +262,8 @@ def _spans(offsets: list[int], sizes: list[int], gap: int = 4096) -> tuple[list[
     where each object lands in the concatenation of the runs."""
     if not offsets:
         return [], []
-    offs, ends = np.asarray(offsets, dtype=np.int64), np.asarray(offsets, dtype=np.int64) + sizes
+    offs = np.asarray(offsets, dtype=np.int64)
+    ends = offs + np.asarray(sizes, dtype=np.int64)
     order = np.argsort(offs, kind="stable")
     o, e = offs[order], ends[order]
     reach = np.maximum.accumulate(e)

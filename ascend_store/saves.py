@@ -52,10 +52,7 @@ class Saver:
         """Queue the save of ``layer_name``'s part of this step's chunks (it just wrote them)."""
         job = self._step_job(saves)
         if job is not None and layer_name in self.ctx.layouts:
-            # On an accelerator the copy starts from this point of the compute stream.
-            dp = self.ctx.device_path
-            after = dp.dev.record() if dp is not None else None
-            job.futures.append(self._thread.submit(self._run_save_layer, job, layer_name, after))
+            job.futures.append(self._thread.submit(self._run_save_layer, job, layer_name, self._now()))
 
     def end_step(self, saves: list[ChunkSave] | None, whole: bool) -> None:
         """The step's forward is done: queue the commit (after every layer's copy, all
@@ -64,8 +61,7 @@ class Saver:
         if job is None:
             return
         if whole:
-            dp = self.ctx.device_path
-            after = dp.dev.record() if dp is not None else None
+            after = self._now()
             job.futures += [self._thread.submit(self._run_save_layer, job, n, after) for n in self.ctx.order]
         job.futures.append(self._thread.submit(self._run_commit, job))
         if self.defer_drain:
@@ -83,6 +79,12 @@ class Saver:
     def shutdown(self) -> None:
         self.drain()
         self._thread.shutdown(wait=True, cancel_futures=True)
+
+    def _now(self):
+        """An event at this point of the compute stream, for the batched path's copy of a
+        save to start from (None without that path)."""
+        dp = self.ctx.device_path
+        return dp.dev.record() if dp is not None else None
 
     def _step_job(self, saves: list[ChunkSave] | None) -> SaveJob | None:
         if self._job is None and saves:

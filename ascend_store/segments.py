@@ -25,7 +25,6 @@ import torch
 from ascend_store import kernels
 from ascend_store.transfer import HEADER_BYTES, LayerLayout, storage_view
 
-MASK = (1 << 64) - 1
 WORD = kernels.WORD
 
 
