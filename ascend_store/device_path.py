@@ -37,11 +37,13 @@ from ascend_store.codecs import dequantize, quantize
 from ascend_store.device import Device
 from ascend_store.segments import (
     WORD,
+    CopyPlanner,
     LayerCopy,
+    StepPages,
     fold_sums,
     object_sums,
+    object_sums_many,
     page_plan,
-    plan_objects,
     run_copy,
     storage_words,
     word_sums,
@@ -51,17 +53,26 @@ from ascend_store.transfer import HEADER_BYTES, LayerLayout
 
 @dataclass
 class LayerObjects:
-    """One layer's objects in a step: arena offsets, sizes, block ids, pages to skip,
-    the keys (for headers and errors) and, for loads, the word checksum each header
-    carries (-1: none, e.g. a CRC32 already checked on the host)."""
+    """One layer's objects (its parts of a step's chunk objects): arena offsets, sizes,
+    block ids, pages to skip, names (for errors; for saves without ``fps``, the keys the
+    headers bind to), for loads the word checksum each header carries (-1: none, e.g. a
+    CRC32 already checked on the host), and the step's planner, which every layer of a
+    group shares (built from ``blocks`` and ``skips`` when not given)."""
 
     name: str
-    offsets: list[int]
-    sizes: list[int]
+    offsets: list[int] | np.ndarray
+    sizes: list[int] | np.ndarray
     blocks: list[list[int]]
     skips: list[int]
     keys: list[str]
-    stored: list[int] | None = None
+    stored: list[int] | np.ndarray | None = None
+    planner: CopyPlanner | None = None
+    fps: np.ndarray | None = None  # saves: the headers' fingerprints, when precomputed
+
+    def plan(self) -> CopyPlanner:
+        if self.planner is None:
+            self.planner = CopyPlanner(StepPages.of(self.blocks, self.skips))
+        return self.planner
 
 
 @dataclass
@@ -78,7 +89,7 @@ class QueuedSave:
     done: object  # device event
     sums: torch.Tensor
     copy: LayerCopy | None
-    staging: torch.Tensor | None = None  # kept alive until the copy is done
+    staging: object = None  # device buffers kept alive until the copy is done
 
 
 def _folded(sums: torch.Tensor, copy: LayerCopy | None, n: int) -> list[int]:
@@ -145,6 +156,32 @@ class DevicePath:
         stored = np.asarray(q.objs.stored, dtype=np.int64)
         return np.flatnonzero((stored >= 0) & (stored != got)).tolist()
 
+    def check_loads(self, qs: list[QueuedLoad], verify: bool) -> list[list[int]]:
+        """``check_load`` for a step's queued layers at once: layers whose copies share one
+        page plan (a group's layers, normally) are folded together in one numpy pass."""
+        for q in qs:
+            if q.done is not None:
+                q.done.synchronize()
+        out: list[list[int]] = [[] for _ in qs]
+        if not verify:
+            return out
+        alike: dict[int, list[int]] = {}
+        for i, q in enumerate(qs):
+            if q.objs.stored is None:
+                continue
+            if q.copy is None:  # int8: per-object sums already
+                out[i] = self.check_load(q, verify)
+            else:
+                alike.setdefault(id(q.copy.obj_of_seg), []).append(i)
+        for idx in alike.values():
+            first = qs[idx[0]]
+            sums = np.stack([qs[i].sums.numpy() for i in idx])
+            got = object_sums_many(first.copy, sums, len(first.objs.offsets))
+            stored = np.stack([np.asarray(qs[i].objs.stored, dtype=np.int64) for i in idx])
+            for row, i in enumerate(idx):
+                out[i] = np.flatnonzero((stored[row] >= 0) & (stored[row] != got[row])).tolist()
+        return out
+
     def _load_layer(self, arena: torch.Tensor, objs: LayerObjects):
         """Queue one layer's copy. On an accelerator the copy engine moves the objects into
         device memory (one DMA per run of adjacent slots), then a kernel scatters their
@@ -152,54 +189,62 @@ class DevicePath:
         keeps every SM. On CPU the pages are copied straight from the arena."""
         if objs.name in self.int8:
             return self._load_int8(arena, objs)
-        items = list(zip(objs.offsets, objs.blocks, objs.skips))
+        plan = self.plans[objs.name]
         if not self.dev.is_accelerator:
-            copy = plan_objects(self.plans[objs.name], items, load=True)
+            copy = objs.plan().layer(plan, np.asarray(objs.offsets, dtype=np.int64) + HEADER_BYTES, load=True)
             return copy, run_copy(copy, arena.view(torch.int64), self.words[objs.name], self.dev.device)
         staging, staged = self._stage(arena, objs)
-        copy = plan_objects(self.plans[objs.name], [(staged[i], b, k) for i, (_, b, k) in enumerate(items)],
-                            load=True)
+        copy = objs.plan().layer(plan, np.asarray(staged, dtype=np.int64) + HEADER_BYTES, load=True)
         return copy, run_copy(copy, staging.view(torch.int64), self.words[objs.name], self.dev.device)
 
-    def _stage(self, arena: torch.Tensor, objs: LayerObjects) -> tuple[torch.Tensor, list[int]]:
-        """The layer's objects in device memory (one DMA per run of adjacent slots), and
-        where each one starts there. On CPU: the arena itself."""
+    def _stage(self, arena: torch.Tensor, objs: LayerObjects) -> tuple[torch.Tensor, np.ndarray]:
+        """The layer's parts in device memory, back to back, and where each one starts
+        there. A layer's parts of equally spaced chunk objects (one request's chunks are
+        usually saved together, so they sit side by side) move as one 2D DMA per run. On
+        CPU: the arena itself."""
         if not self.dev.is_accelerator:
-            return arena, objs.offsets
-        spans, staged = _spans(objs.offsets, objs.sizes)
-        total = sum(e - s for s, e in spans)
-        staging = torch.empty(-(-total // WORD) * WORD, dtype=torch.uint8, device=self.dev.device)
-        pos = 0
-        for s, e in spans:
-            staging[pos:pos + e - s].copy_(arena[s:e], non_blocking=True)
-            pos += e - s
+            return arena, np.asarray(objs.offsets, dtype=np.int64)
+        offs = np.asarray(objs.offsets, dtype=np.int64)
+        sizes = np.asarray(objs.sizes, dtype=np.int64)
+        slot = -(-sizes // WORD) * WORD
+        staged = np.cumsum(slot) - slot
+        staging = torch.empty(int(slot.sum()), dtype=torch.uint8, device=self.dev.device)
+        for first, count, pitch in _runs(offs, sizes):
+            width = int(slot[first])
+            self.dev.copy_rows(staging[int(staged[first]):], arena, int(offs[first]), pitch, width, count)
         return staging, staged
 
-    def _pages(self, objs: LayerObjects) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(object, page, block) index tensors of every page a layer's objects move."""
-        obj, page, block = [], [], []
-        for i, (blocks, skip) in enumerate(zip(objs.blocks, objs.skips)):
-            obj += [i] * len(blocks)
-            page += range(skip, skip + len(blocks))
-            block += blocks
-        return tuple(torch.tensor(v, dtype=torch.int64).to(self.dev.device, non_blocking=True)
-                     for v in (obj, page, block))
+    def _size_classes(self, objs: LayerObjects):
+        """int8 moves whole payload rows, so objects of one size go together (a prompt's
+        shorter tail object is its own class): per class, the objects' indexes, their
+        block count and (object row, page, block) device index tensors of the pages moved."""
+        p = objs.plan().pages
+        sizes = np.asarray(objs.sizes, dtype=np.int64)
+        per_block = self.int8[objs.name].payload_bytes(self.layouts[objs.name], 1)
+        for size in np.unique(sizes).tolist():
+            idx = np.flatnonzero(sizes == size)
+            row = np.full(len(sizes), -1, dtype=np.int64)
+            row[idx] = np.arange(len(idx))
+            moved = (row[p.obj] >= 0) & (p.block >= 0)
+            yield idx, (size - HEADER_BYTES) // per_block, tuple(
+                torch.from_numpy(v).to(self.dev.device, non_blocking=True)
+                for v in (row[p.obj][moved], p.page[moved], p.block[moved]))
 
     def _load_int8(self, arena: torch.Tensor, objs: LayerObjects):
         """Dequantize a layer's int8 objects into the cache with whole-layer tensor ops;
         the payloads' word sums come back per object."""
         codec, layout = self.int8[objs.name], self.layouts[objs.name]
         src, starts = self._stage(arena, objs)
-        n_bytes = objs.sizes[0] - HEADER_BYTES if objs.sizes else 0
-        rows = torch.stack([src[s + HEADER_BYTES:s + HEADER_BYTES + n_bytes] for s in starts]) if starts \
-            else torch.empty((0, 8), dtype=torch.uint8, device=self.dev.device)
-        if starts:
-            n = n_bytes // codec.payload_bytes(layout, 1)
+        starts = np.asarray(starts, dtype=np.int64)
+        sums = torch.zeros((len(starts), 2), dtype=torch.int64, device=self.dev.device)
+        view = self.blocks_view[objs.name]
+        for idx, n, (obj, page, block) in self._size_classes(objs):
+            n_bytes = n * codec.payload_bytes(layout, 1)
+            rows = torch.stack([src[s + HEADER_BYTES:s + HEADER_BYTES + n_bytes] for s in starts[idx].tolist()])
+            sums[torch.from_numpy(idx).to(self.dev.device)] = word_sums(rows)
             q, ks, vs = codec.split_rows(layout, rows, n)
-            obj, page, block = self._pages(objs)
-            view = self.blocks_view[objs.name]
             view[block] = dequantize(q[obj, page], ks[obj, page], vs[obj, page]).to(view.dtype)
-        return None, self._to_host(word_sums(rows))
+        return None, self._to_host(sums)
 
     def _to_host(self, sums: torch.Tensor) -> torch.Tensor:
         if not self.dev.is_accelerator:
@@ -214,24 +259,27 @@ class DevicePath:
         (an event on the compute stream) has passed. On an accelerator a kernel gathers
         the pages into device memory (summing them) and the copy engine moves each
         payload into its slot."""
-        items = list(zip(objs.offsets, objs.blocks, objs.skips))
+        plan = self.plans.get(objs.name)
         with self.dev.use(self.save_stream):
             self.dev.wait(after, self.save_stream)
             if objs.name in self.int8:
                 return self._save_int8(arena, objs)
             if not self.dev.is_accelerator:
-                copy = plan_objects(self.plans[objs.name], items, load=False)
+                copy = objs.plan().layer(plan, np.asarray(objs.offsets, dtype=np.int64) + HEADER_BYTES,
+                                         load=False)
                 sums = run_copy(copy, self.words[objs.name], arena.view(torch.int64), self.dev.device)
                 return QueuedSave(objs, None, sums, copy)
-            payloads = [size - HEADER_BYTES for size in objs.sizes]
-            starts = np.concatenate([[0], np.cumsum(payloads)[:-1]]).astype(np.int64).tolist()
-            staging = torch.empty(-(-sum(payloads) // WORD) * WORD, dtype=torch.uint8, device=self.dev.device)
-            copy = plan_objects(self.plans[objs.name], [(p, b, k) for p, (_, b, k) in zip(starts, items)],
-                                load=False, header=0)
+            offs = np.asarray(objs.offsets, dtype=np.int64)
+            sizes = np.asarray(objs.sizes, dtype=np.int64)
+            slot = -(-sizes // WORD) * WORD
+            starts = np.cumsum(slot) - slot  # parts in staging as in the arena: headers too
+            staging = torch.empty(int(slot.sum()), dtype=torch.uint8, device=self.dev.device)
+            copy = objs.plan().layer(plan, starts + HEADER_BYTES, load=False)
             sums = run_copy(copy, self.words[objs.name], staging.view(torch.int64), self.dev.device)
-            for off, start, n in zip(objs.offsets, starts, payloads):
-                off += HEADER_BYTES
-                arena[off:off + n].copy_(staging[start:start + n], non_blocking=True)
+            for first, count, pitch in _runs(offs, sizes):
+                # Headers ride along in the 2D copy and are rewritten at the commit.
+                self.dev.copy_rows_out(arena, int(offs[first]), pitch, staging[int(starts[first]):],
+                                       int(slot[first]), count)
             done = self.dev.record(self.save_stream)
         return QueuedSave(objs, done, sums, copy, staging)
 
@@ -239,16 +287,39 @@ class DevicePath:
         """Quantize a layer's blocks with whole-layer tensor ops into payload rows, sum
         them, and move each row into its object's slot."""
         codec, layout = self.int8[objs.name], self.layouts[objs.name]
-        n = len(objs.blocks[0])  # saves are whole chunks
-        _, _, block = self._pages(objs)
-        rows = torch.empty((len(objs.offsets), codec.payload_bytes(layout, n)), dtype=torch.uint8,
-                           device=self.dev.device)
-        for dst, src in zip(codec.split_rows(layout, rows, n), quantize(self.blocks_view[objs.name][block])):
-            dst.copy_(src.view(dst.shape))
-        sums = self._to_host(word_sums(rows))
-        for off, row in zip(objs.offsets, rows):
-            arena[off + HEADER_BYTES:off + HEADER_BYTES + row.numel()].copy_(row, non_blocking=True)
-        return QueuedSave(objs, self.dev.record(self.save_stream), sums, None, rows)
+        offsets = np.asarray(objs.offsets, dtype=np.int64)
+        sums = torch.zeros((len(offsets), 2), dtype=torch.int64, device=self.dev.device)
+        keep = []
+        for idx, n, (_, _, block) in self._size_classes(objs):  # saves are whole objects
+            rows = torch.empty((len(idx), codec.payload_bytes(layout, n)), dtype=torch.uint8,
+                               device=self.dev.device)
+            for dst, src in zip(codec.split_rows(layout, rows, n), quantize(self.blocks_view[objs.name][block])):
+                dst.copy_(src.view(dst.shape))
+            sums[torch.from_numpy(idx).to(self.dev.device)] = word_sums(rows)
+            for off, row in zip(offsets[idx].tolist(), rows):
+                arena[off + HEADER_BYTES:off + HEADER_BYTES + row.numel()].copy_(row, non_blocking=True)
+            keep.append(rows)
+        return QueuedSave(objs, self.dev.record(self.save_stream), self._to_host(sums), None, keep)
+
+    def finish_saves(self, qs: list[QueuedSave]) -> list[np.ndarray]:
+        """``finish_save`` for a step's layers at once (one numpy pass per shared plan)."""
+        for q in qs:
+            if q.done is not None:
+                q.done.synchronize()
+        out: list = [None] * len(qs)
+        alike: dict[int, list[int]] = {}
+        for i, q in enumerate(qs):
+            if q.copy is None:
+                out[i] = np.asarray(self.finish_save(q), dtype=np.int64)
+            else:
+                alike.setdefault(id(q.copy.obj_of_seg), []).append(i)
+        for idx in alike.values():
+            first = qs[idx[0]]
+            got = object_sums_many(first.copy, np.stack([qs[i].sums.numpy() for i in idx]),
+                                   len(first.objs.offsets))
+            for row, i in enumerate(idx):
+                out[i] = got[row]
+        return out
 
     def finish_save(self, q: QueuedSave) -> list[int]:
         """Wait for a queued save; returns each object's folded word checksum."""
@@ -257,22 +328,28 @@ class DevicePath:
         return _folded(q.sums, q.copy, len(q.objs.offsets))
 
 
-def _spans(offsets: list[int], sizes: list[int], gap: int = 4096) -> tuple[list[tuple[int, int]], list[int]]:
-    """Runs of nearly adjacent objects (gaps up to ``gap`` bytes are read along), and
-    where each object lands in the concatenation of the runs."""
-    if not offsets:
-        return [], []
-    offs = np.asarray(offsets, dtype=np.int64)
-    ends = offs + np.asarray(sizes, dtype=np.int64)
-    order = np.argsort(offs, kind="stable")
-    o, e = offs[order], ends[order]
-    reach = np.maximum.accumulate(e)
-    new = np.ones(len(o), dtype=bool)
-    new[1:] = o[1:] > reach[:-1] + gap
-    first = np.flatnonzero(new)
-    starts, stops = o[first], np.maximum.reduceat(e, first)
-    base = np.cumsum(stops - starts) - (stops - starts)
-    run = np.cumsum(new) - 1
-    staged = np.empty(len(o), dtype=np.int64)
-    staged[order] = base[run] + o - starts[run]
-    return list(zip(starts.tolist(), stops.tolist())), staged.tolist()
+def _runs(offs: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first index, count, pitch) of runs of parts of one size at one distance apart,
+    in order: each run is one 2D copy. Greedy over the blocks of equal consecutive
+    distances (found with numpy), so the loop runs once per run, not once per part."""
+    n = len(offs)
+    if n < 2:
+        return [(0, n, int(sizes[0]))] if n else []
+    step = np.diff(offs)
+    ok = (sizes[1:] == sizes[:-1]) & (step >= -(-sizes[:-1] // WORD) * WORD)  # same size, no overlap
+    change = np.ones(n - 1, dtype=bool)
+    change[1:] = (step[1:] != step[:-1]) | ~ok[1:] | ~ok[:-1]
+    edges = np.flatnonzero(change).tolist() + [n - 1]
+    out, i = [], 0
+    for a, b in zip(edges[:-1], edges[1:]):  # steps a..b-1 are equal (and usable if ok[a])
+        if i > a:
+            a = i  # offset a is already in the previous run
+        if not ok[a] if a < n - 1 else True:
+            continue
+        if b - a >= 1 and a >= i:
+            if a > i:
+                out += [(k, 1, int(sizes[k])) for k in range(i, a)]
+            out.append((a, b - a + 1, int(step[a])))
+            i = b + 1
+    out += [(k, 1, int(sizes[k])) for k in range(i, n)]
+    return out

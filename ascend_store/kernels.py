@@ -97,13 +97,18 @@ def copy_segments_sum(src, dst, src_offs: torch.Tensor, dst_offs: torch.Tensor, 
                                     num_warps=num_warps)
 
 
-def copy_segments_sum_torch(src: torch.Tensor, dst: torch.Tensor, src_offs: list[int], dst_offs: list[int],
+def copy_segments_sum_torch(src: torch.Tensor, dst: torch.Tensor, src_offs, dst_offs,
                             sums: torch.Tensor, seg_words: int) -> None:
-    """The same with torch ops (int64 arithmetic wraps like the kernel's)."""
+    """The same with torch ops (int64 arithmetic wraps like the kernel's); offsets are
+    sequences or numpy arrays."""
     weights = torch.arange(1, seg_words + 1, dtype=torch.int64, device=src.device)
-    for i, (s, d) in enumerate(zip(src_offs, dst_offs)):
+    for i, (s, d) in enumerate(zip(_ints(src_offs), _ints(dst_offs))):
         w = src[s:s + seg_words]
         if d >= 0:
             dst[d:d + seg_words].copy_(w)
         sums[i, 0] = w.sum()
         sums[i, 1] = (w * weights).sum()
+
+
+def _ints(offsets) -> list[int]:
+    return offsets.tolist() if hasattr(offsets, "tolist") else list(offsets)

@@ -5,10 +5,12 @@ instances would never agree on them. We hash token ids ourselves with BLAKE2b: c
 i's hash covers chunk i's tokens and the hash of chunk i-1, so one key names a whole
 prefix, the same in every process and on every machine.
 
-Key layout: ``{namespace}/g{group}/tp{rank}of{size}/L{layer}/{chain-hash}``.
-The layer is vLLM's global layer index, so a pipeline stage names the same layer the
-same way whatever the PP size; the TP shard is part of the key because each rank
-holds a different slice of the heads.
+Key layout: ``{namespace}/g{group}/tp{rank}of{size}/L{first}-{last}/{chain-hash}``.
+One key names one *chunk object*: every layer of one KV cache group for one chunk
+(transfer.py), so a hit costs one pool entry per chunk, not one per (chunk, layer). The
+layer span is vLLM's global layer ids of the group's layers, so a pipeline stage names
+its own span; the TP shard is part of the key because each rank holds a different slice
+of the heads.
 """
 
 from __future__ import annotations
@@ -103,9 +105,26 @@ class KeySpace:
     tp_rank: int
     tp_size: int
 
-    def prefix(self, group: int, layer: int) -> str:
-        """What every key of one layer starts with: its chunk hash follows."""
-        return f"{self.namespace}/g{group}/tp{self.tp_rank}of{self.tp_size}/L{layer}/"
+    def prefix(self, group: int, layers: tuple[int, int]) -> str:
+        """What every chunk object key of a group (with layer ids ``layers[0]..layers[1]``)
+        starts with: its chunk hash follows."""
+        return f"{self.namespace}/g{group}/tp{self.tp_rank}of{self.tp_size}/L{layers[0]}-{layers[1]}/"
 
-    def key(self, group: int, layer: int, chunk_hash: str) -> str:
-        return self.prefix(group, layer) + chunk_hash
+    def key(self, group: int, layers: tuple[int, int], chunk_hash: str) -> str:
+        return self.prefix(group, layers) + chunk_hash
+
+
+def partial_hashes(token_ids, chunk_size: int, block_size: int, prev: str | None, start: int) -> list[str]:
+    """Hashes of the chunk at ``start`` cut after 1, 2, ... whole blocks (fewer than a
+    chunk), chained to the previous full chunk's hash ``prev``. A prompt's last object
+    may be such a partial chunk, so at most one block of a prompt is recomputed. The
+    person tag keeps them apart from full-chunk hashes."""
+    key = bytes.fromhex(prev) if prev else _SEED
+    out = []
+    for n in range(1, chunk_size // block_size):
+        end = start + n * block_size
+        if end > len(token_ids):
+            break
+        toks = np.asarray(token_ids[start:end], dtype="<u4").tobytes()
+        out.append(hashlib.blake2b(toks, digest_size=16, key=key[:64], person=b"ascend-partial").hexdigest())
+    return out

@@ -1,14 +1,14 @@
 """The worker's loads: a step's hits from the pool into vLLM's KV cache, layer by layer.
 
-``lease`` the step's (layer, chunk) objects (the first layer's alone, so its copy starts
-while the pool answers for the rest), check each layer's headers at once, and move the
-pages into the cache. On accelerators every layer's copy is queued on a side stream
-from ``start``, before the forward, and ``wait`` makes the compute stream wait on that
-layer's event: the host hands nothing over while the forward runs (a handing-over
-thread would take the GIL from it). On CPU a background thread copies layer by layer,
-and ``wait`` waits for its layer. Missing or corrupt objects mark their chunk failed;
-``errors`` reports their blocks and vLLM recomputes them. No failure in a load ever
-propagates into the forward.
+One ``lease`` of the step's chunk objects (one per chunk and KV cache group, every layer
+inside: worker_context.py), one numpy pass over every layer part's header (key, layer,
+layout, codec, size), then the pages move layer by layer. On accelerators every layer's
+copy is queued on a side stream from ``start``, before the forward, and ``wait`` makes
+the compute stream wait on that layer's event: the host hands nothing over while the
+forward runs (a handing-over thread would take the GIL from it). On CPU a background
+thread copies layer by layer, and ``wait`` waits for its layer. Missing or corrupt
+objects mark their chunk failed; ``errors`` reports their blocks and vLLM recomputes
+them. No failure in a load ever propagates into the forward.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,10 +25,35 @@ import torch
 from ascend_store.backends import BackendUnavailable, Status
 from ascend_store.device_path import LayerObjects, QueuedLoad
 from ascend_store.metadata import ChunkLoad
-from ascend_store.transfer import FLAG_WSUM, HEADER_RECORD, CorruptObject, decode_object, header_faults
-from ascend_store.worker_context import WorkerContext
+from ascend_store.segments import CopyPlanner, StepPages
+from ascend_store.transfer import (
+    FLAG_CRC,
+    FLAG_WSUM,
+    HEADER_BYTES,
+    HEADER_RECORD,
+    CorruptObject,
+    _payload_sum,
+    check_headers,
+    decode_object,
+    fault_messages,
+)
+from ascend_store.worker_context import GroupStep, WorkerContext
 
 log = logging.getLogger("ascend_store")
+WINDOW = 4  # layerwise on accelerators: layer copies queued ahead of the forward
+
+
+@dataclass
+class Admitted:
+    """A group's entries that passed the header gate, and their objects' layer parts."""
+
+    step: GroupStep
+    entries: np.ndarray  # indexes into the job's loads
+    obj: np.ndarray  # per entry: index into step.keys
+    parts: np.ndarray  # [layer, object] arena offset of each part
+    sizes: np.ndarray  # [layer, object] part sizes
+    headers: np.ndarray  # [layer, object] HEADER_RECORD
+    planner: CopyPlanner  # the entries' pages, shared by the group's layers
 
 
 class LoadJob:
@@ -36,8 +62,11 @@ class LoadJob:
         self.unplaced = {j for j, ld in enumerate(loads) if 0 in ld.block_ids}  # has vLLM's null block
         self.events = {name: threading.Event() for name in layers}  # layer landed or queued
         self.device_events: dict[str, object] = {}  # layer -> its copy's event (accelerators)
-        self.queued: list[tuple[QueuedLoad, list[tuple[int, str, int]]]] = []  # copy, (j, key, size)
-        self.plan: list[tuple[str, int, str]] = []  # (layer, load index, key)
+        self.queued: list[tuple[QueuedLoad, Admitted]] = []
+        self.todo: list[tuple[LayerObjects, Admitted]] = []  # accelerators: layer copies, model order
+        self.position: dict[str, int] = {}  # layer -> index in todo
+        self.next = 0  # todo[:next] are queued
+        self.arena: torch.Tensor | None = None
         self.leased: list[str] = []
         self.failed: set[int] = set()  # indexes into loads
         self.corrupt: set[int] = set()  # chunks whose objects are removed, so a recompute republishes them
@@ -70,6 +99,7 @@ class Loader:
         if ev is not None and not ev.wait(self.ctx.cfg.load_timeout_s):
             self._abandon(job, f"layer {layer_name} not loaded within {self.ctx.cfg.load_timeout_s}s")
         if self.ctx.device_path is not None:  # the compute stream waits; the host does not
+            self._queue_upto(job, job.position.get(layer_name, -1) + 1 + WINDOW)
             self.ctx.device_path.dev.wait(job.device_events.get(layer_name))
 
     def finish(self, job: LoadJob) -> None:
@@ -77,6 +107,10 @@ class Loader:
         if job.future is not None and wait([job.future], timeout=self.ctx.cfg.load_timeout_s).not_done:
             self._abandon(job, "load job did not finish")
         if self.ctx.device_path is not None:
+            if self.ctx.cfg.use_layerwise and job.next < len(job.todo):
+                # A layer the forward never waited for read its blocks before they landed.
+                self._abandon(job, f"layer {job.todo[job.next][0].name} was never waited for")
+            self._queue_upto(job, len(job.todo))
             for event in job.device_events.values():
                 self.ctx.device_path.dev.wait(event)
 
@@ -101,86 +135,77 @@ class Loader:
         self._thread.shutdown(wait=True, cancel_futures=True)
 
     # -- leasing and checking -------------------------------------------------------
-    def _lease(self, job: LoadJob):
-        """Plan and lease the job's objects; returns the arena, each layer's (load index,
-        key), the slots, and ``rest()``, which leases what is past the first layer."""
+    def _lease(self, job: LoadJob) -> tuple[torch.Tensor, list[Admitted]]:
+        """Lease the step's chunk objects (one call) and check every layer part's header
+        at once (and payload sums the device copy will not compute)."""
         ctx = self.ctx
         ctx.arena()  # map the arena first so slot bounds are checked against it
-        job.plan = ctx.plan(job.loads)
-        # Requests sharing a prefix name the same objects: lease each key once.
-        layer_of = {k: name for name, _, k in job.plan}
-        unique = list(layer_of)
-        sizes = {name: ctx.object_bytes(name) for name in ctx.order}
-        slots: dict = {}
-
-        def lease(keys: list[str]) -> None:
-            got = ctx.backend.lease(keys, [sizes[layer_of[k]] for k in keys])
-            slots.update(zip(keys, got))
-            job.leased.extend(k for k, s in zip(keys, got) if s.status is Status.OK)
-
-        by_layer: dict[str, list[tuple[int, str]]] = {}
-        for name, j, key in job.plan:
-            by_layer.setdefault(name, []).append((j, key))
-        head = len(by_layer[job.plan[0][0]]) if job.plan else 0
-        lease(unique[:head])
+        steps = ctx.plan(job.loads)
+        keys = [k for st in steps for k in st.keys]
+        sizes = np.concatenate([st.fmt.size(st.blocks) for st in steps]) if steps else np.zeros(0, np.int64)
+        slots = ctx.backend.lease(keys, sizes.tolist())
+        job.leased = [k for k, s in zip(keys, slots) if s.status is Status.OK]
         arena = ctx.arena()  # again: a pool restart seen by the lease remaps it
+        status = np.fromiter((s.status for s in slots), dtype=np.int64, count=len(slots))
+        offs = np.fromiter((s.offset for s in slots), dtype=np.int64, count=len(slots))
+        got = np.fromiter((s.size for s in slots), dtype=np.int64, count=len(slots))
+        out, at = [], 0
+        for st in steps:
+            n = len(st.keys)
+            out.append(self._admit(job, arena, st, status[at:at + n], offs[at:at + n], got[at:at + n]))
+            at += n
+        return arena, out
 
-        def rest() -> None:
-            if len(slots) < len(unique):
-                lease(unique[head:])
-                if ctx.arena() is not arena:
-                    raise BackendUnavailable("the pool restarted during a load")
-
-        return arena, by_layer, slots, rest
-
-    def _admit(self, job: LoadJob, arena: torch.Tensor, names: list[str], by_layer: dict,
-               slots: dict) -> dict[str, tuple[list[tuple[int, str, object]], np.ndarray]]:
-        """The gate loaded objects pass on either path: skip chunks that already failed,
-        count missing objects, refuse vLLM's null block, then check the headers (and
-        payload sums the device copy will not compute) of all ``names``' objects in one
-        pass per page layout. Returns per layer the admitted (load index, key, slot) and
-        their headers (HEADER_RECORD)."""
-        ctx = self.ctx
-        groups: dict[tuple, list[tuple[str, int, str, object]]] = {}
-        missing = 0
-        for name in names:
-            group = groups.setdefault((ctx.layouts[name].describe(), ctx.codecs[name].name,
-                                       ctx.object_blocks(name)), [])
-            for j, key in by_layer.get(name, ()):
-                slot = slots[key]
-                if j in job.failed:
-                    continue
-                if slot.status is not Status.OK:
-                    missing += 1
-                    job.failed.add(j)
-                elif j in job.unplaced:  # vLLM's null block: nowhere to load to
-                    self._rejected(job, j, CorruptObject(f"{key}: no block allocated for it"))
-                else:
-                    group.append((name, j, key, slot))
-        ctx.counters["load_missing"] += missing
-        out: dict[str, tuple[list, list[int], np.ndarray]] = {}  # layer -> entries, their rows, headers
-        for todo in groups.values():
-            if not todo:
-                continue
-            name = todo[0][0]  # any layer of the group: they share layout, codec and size
-            faults, headers = header_faults(
-                arena.numpy(), [t[3].offset for t in todo], [t[3].size for t in todo], [t[2] for t in todo],
-                ctx.layouts[name], ctx.object_blocks(name), ctx.cfg.verify_checksum, ctx.codecs[name],
-                wsum_later=ctx.device_path is not None)
-            for i, ((layer, j, key, slot), fault) in enumerate(zip(todo, faults)):
-                if fault is not None:
-                    self._rejected(job, j, CorruptObject(fault))
-                else:
-                    entries, picked, _ = out.setdefault(layer, ([], [], headers))
-                    entries.append((j, key, slot))
-                    picked.append(i)
-        result = {}
-        for name in names:
-            entries, picked, headers = out.get(name, ([], [], np.zeros(0, dtype=HEADER_RECORD)))
-            result[name] = (entries, headers[picked])
-            ctx.counters["loaded_objects"] += len(entries)
-            ctx.counters["loaded_bytes"] += sum(e[2].size for e in entries)
-        return result
+    def _admit(self, job: LoadJob, arena: torch.Tensor, st: GroupStep, status: np.ndarray,
+               offs: np.ndarray, sizes: np.ndarray) -> Admitted:
+        """The gate loaded objects pass on either path: count missing objects, refuse
+        vLLM's null block, check every layer part's header in one numpy pass."""
+        ctx, fmt = self.ctx, st.fmt
+        host = arena.numpy()
+        missing = status != Status.OK
+        ctx.counters["load_missing"] += int(missing.sum())
+        keep = ~missing[st.obj]
+        for j in st.entries[missing[st.obj]].tolist():
+            job.failed.add(j)
+        for j in st.entries[keep].tolist():
+            if j in job.unplaced:  # vLLM's null block: nowhere to load to
+                self._rejected(job, j, CorruptObject(f"{job.loads[j].chunk_hash}: no block allocated for it"))
+        used = np.zeros(len(st.keys), dtype=bool)
+        used[st.obj[keep]] = True
+        used = np.flatnonzero(used)
+        if fmt.fixed:
+            parts, part_sizes = fmt.parts(offs, st.blocks), fmt.part_sizes(st.blocks)
+            whole = sizes == fmt.size(st.blocks)
+        else:
+            parts, part_sizes = _walk_parts(host, offs, sizes, len(fmt.layers))
+            whole = np.ones(len(offs), dtype=bool)
+        limit = fmt.per_block[:, None] * st.blocks[None, :]
+        fps = fmt.fingerprints(st.keys, ctx.layouts, ctx.codecs[fmt.layers[0]].name)
+        codes = np.zeros(parts.shape, dtype=np.int64)
+        headers = np.zeros(parts.shape, dtype=HEADER_RECORD)
+        if len(used):
+            part_sizes = np.where(whole[None, :], part_sizes, 0)  # a wrong-sized object fits nowhere
+            c, h = check_headers(host, parts[:, used].reshape(-1), part_sizes[:, used].reshape(-1),
+                                 fps[:, used].reshape(-1), limit[:, used].reshape(-1),
+                                 ctx.cfg.verify_checksum and ctx.device_path is not None,
+                                 ctx.codecs[fmt.layers[0]], wsum_later=True)
+            codes[:, used], headers[:, used] = c.reshape(len(fmt.layers), -1), h.reshape(len(fmt.layers), -1)
+        bad_obj = codes.any(axis=0)
+        for k in np.flatnonzero(bad_obj).tolist():
+            i = int(np.flatnonzero(codes[:, k])[0])
+            why = fault_messages(codes[i:i + 1, k], headers[i:i + 1, k], part_sizes[i:i + 1, k],
+                                 limit[i:i + 1, k], lambda _: f"{st.keys[k]} layer {fmt.layers[i]}")[0]
+            for j in st.entries[st.obj == k].tolist():
+                self._rejected(job, j, CorruptObject(why))
+        good = np.fromiter((j not in job.failed for j in st.entries.tolist()), dtype=bool, count=len(st.entries))
+        entries, obj = st.entries[good], st.obj[good]
+        loads = [job.loads[j] for j in entries.tolist()]
+        pages = StepPages.of([ld.block_ids for ld in loads], [ld.skip for ld in loads],
+                             [ld.object_blocks for ld in loads])
+        moved = int(sum(len(ld.block_ids) for ld in loads))
+        ctx.counters["loaded_objects"] += len(used)
+        ctx.counters["loaded_bytes"] += moved * int(fmt.per_block.sum())
+        return Admitted(st, entries, obj, parts, part_sizes, headers, CopyPlanner(pages))
 
     def _rejected(self, job: LoadJob, j: int, exc: CorruptObject) -> None:
         self.ctx.counters["load_corrupt"] += 1
@@ -190,23 +215,19 @@ class Loader:
 
     # -- the two paths --------------------------------------------------------------
     def _run_load(self, job: LoadJob) -> None:
-        """The host path (a background thread): layer by layer, check and decode."""
+        """The host path (a background thread): layer by layer, verify and decode."""
         ctx = self.ctx
         t0 = time.perf_counter()
         try:
-            arena, by_layer, slots, rest = self._lease(job)
-            rest()
+            arena, admitted = self._lease(job)
+            host = arena.numpy()
             for name in ctx.order:
                 if job.cancelled:
                     break
-                entries, headers = self._admit(job, arena, [name], by_layer, slots)[name]
-                for (j, key, slot), n in zip(entries, headers["payload"].tolist()):
-                    try:
-                        decode_object(arena[slot.offset:slot.offset + slot.size], n,
-                                      ctx.layouts[name], job.loads[j].block_ids, job.loads[j].skip, key,
-                                      ctx.object_blocks(name), ctx.codecs[name])
-                    except CorruptObject as exc:
-                        self._rejected(job, j, exc)
+                g, i = ctx.group_of[name]
+                for adm in admitted:
+                    if adm.step.fmt.group == g:
+                        self._decode_layer(job, host, arena, adm, name, i)
                 job.events[name].set()
         except Exception as exc:  # the pool is an optimization: never fail the forward
             self._load_failed(job, exc)
@@ -216,29 +237,55 @@ class Loader:
             ctx.counters["load_seconds"] += time.perf_counter() - t0
             self._release(job)
 
+    def _decode_layer(self, job: LoadJob, host: np.ndarray, arena: torch.Tensor, adm: Admitted,
+                      name: str, i: int) -> None:
+        ctx = self.ctx
+        checked: dict[int, bool] = {}
+        for j, k in zip(adm.entries.tolist(), adm.obj.tolist()):
+            if j in job.failed:
+                continue
+            off, h = int(adm.parts[i, k]), adm.headers[i, k]
+            n = int(h["payload"])
+            label = f"{adm.step.keys[k]} layer {name}"
+            try:
+                if ctx.cfg.verify_checksum and k not in checked:
+                    payload = host[off + HEADER_BYTES:off + HEADER_BYTES + n]
+                    flags = int(h["flags"])
+                    checked[k] = bool(flags & (FLAG_CRC | FLAG_WSUM)) and \
+                        _payload_sum(payload, flags) == int(h["crc"])
+                if ctx.cfg.verify_checksum and not checked[k]:
+                    raise CorruptObject(f"{label}: checksum mismatch")
+                ld = job.loads[j]
+                decode_object(arena[off:off + HEADER_BYTES + n], n, ctx.layouts[name], ld.block_ids, ld.skip,
+                              label, ld.object_blocks, ctx.codecs[name])
+            except CorruptObject as exc:
+                self._rejected(job, j, exc)
+
     def _queue_device_load(self, job: LoadJob) -> None:
-        """The accelerator path, before the forward: per layer, check the headers and
-        queue one batched copy on the load stream. Checksums are compared at the end of
-        the step (``_check_device_load``)."""
+        """The accelerator path, before the forward: one lease and one header pass for
+        the step, then one batched copy per layer on the load stream. Checksums are
+        compared at the end of the step (``_check_device_load``)."""
         ctx = self.ctx
         t0 = time.perf_counter()
         try:
-            arena, by_layer, slots, rest = self._lease(job)
-            first, others = ctx.order[:1], ctx.order[1:]
-            for names in (first, others):
-                if names is others:
-                    rest()  # the first layer's copy is queued: lease the others meanwhile
-                for name, (entries, headers) in self._admit(job, arena, names, by_layer, slots).items():
-                    if not entries:
-                        continue
-                    loads = [job.loads[j] for j, _, _ in entries]
-                    stored = np.where(headers["flags"] & FLAG_WSUM, headers["crc"].astype(np.int64), -1)
-                    objs = LayerObjects(name, [e[2].offset for e in entries], [e[2].size for e in entries],
-                                        [ld.block_ids for ld in loads], [ld.skip for ld in loads],
-                                        [e[1] for e in entries], stored.tolist())
-                    q = ctx.device_path.queue_load(arena, objs)
-                    job.queued.append((q, [(j, key, slot.size) for j, key, slot in entries]))
-                    job.device_events[name] = q.done
+            arena, admitted = self._lease(job)
+            job.arena = arena
+            for adm in admitted:
+                if not len(adm.entries):
+                    continue
+                blocks = [job.loads[j].block_ids for j in adm.entries.tolist()]
+                skips = [job.loads[j].skip for j in adm.entries.tolist()]
+                stored = np.where(adm.headers["flags"] & FLAG_WSUM, adm.headers["crc"].astype(np.int64), -1)
+                for i, name in enumerate(adm.step.fmt.layers):
+                    row = adm.obj
+                    job.todo.append((LayerObjects(name, adm.parts[i, row], adm.sizes[i, row], blocks, skips,
+                                                  [], stored[i, row], adm.planner), adm))
+            rank = {name: r for r, name in enumerate(ctx.order)}
+            job.todo.sort(key=lambda t: rank[t[0].name])
+            job.position = {objs.name: k for k, (objs, _) in enumerate(job.todo)}
+            # Layerwise: the first layers now, each later one as the forward reaches the
+            # layer WINDOW before it (``wait``), so their host work overlaps the forward.
+            self._queue_upto(job, WINDOW if ctx.cfg.use_layerwise else len(job.todo))
         except Exception as exc:
             self._load_failed(job, exc)
         finally:
@@ -246,15 +293,36 @@ class Loader:
                 ev.set()
             ctx.counters["load_seconds"] += time.perf_counter() - t0
 
+    def _queue_upto(self, job: LoadJob, stop: int) -> None:
+        """Queue the copies of ``job.todo[next:stop]`` on the load stream."""
+        stop = min(stop, len(job.todo))
+        if job.next >= stop:
+            return
+        t0 = time.perf_counter()
+        try:
+            while job.next < stop:
+                objs, adm = job.todo[job.next]
+                job.next += 1
+                if job.cancelled:
+                    continue
+                q = self.ctx.device_path.queue_load(job.arena, objs)
+                job.queued.append((q, adm))
+                job.device_events[objs.name] = q.done
+        except Exception as exc:
+            job.next = len(job.todo)
+            self._load_failed(job, exc)
+        self.ctx.counters["load_seconds"] += time.perf_counter() - t0
+
     def _check_device_load(self, job: LoadJob) -> None:
         """Wait for the queued copies and compare their checksums; then release the
         leases off the step's path (the copies no longer read the arena)."""
-        for q, owners in job.queued:
-            for i in self.ctx.device_path.check_load(q, self.ctx.cfg.verify_checksum):
-                j, key, size = owners[i]
-                self.ctx.counters["loaded_objects"] -= 1
-                self.ctx.counters["loaded_bytes"] -= size
-                self._rejected(job, j, CorruptObject(f"{key}: checksum mismatch"))
+        queued = [q for q, _ in job.queued]
+        for (q, adm), bad in zip(job.queued, self.ctx.device_path.check_loads(queued, self.ctx.cfg.verify_checksum)):
+            for e in bad:
+                j = int(adm.entries[e])
+                if j not in job.failed:
+                    self._rejected(job, j, CorruptObject(
+                        f"{adm.step.keys[adm.obj[e]]} layer {q.objs.name}: checksum mismatch"))
         self._thread.submit(self._release, job)
 
     def _load_failed(self, job: LoadJob, exc: Exception) -> None:
@@ -267,8 +335,8 @@ class Loader:
         try:
             if job.leased:
                 self.ctx.backend.release(job.leased)
-            if job.corrupt:  # every layer's object of the chunk: a hit needs them all
-                self.ctx.backend.remove(sorted({k for _, j, k in job.plan if j in job.corrupt}))
+            if job.corrupt:  # the whole chunk object goes: a recompute republishes it
+                self.ctx.backend.remove(sorted({self._key(job, j) for j in job.corrupt}))
         except BackendUnavailable:
             pass  # the pool drops our leases when their TTL ends
 
@@ -277,3 +345,27 @@ class Loader:
         self.ctx.counters["load_timeouts"] += 1
         job.cancelled = True
         job.failed.update(range(len(job.loads)))
+
+    def _key(self, job: LoadJob, j: int) -> str:
+        ld = job.loads[j]
+        return self.ctx.groups[ld.group].prefix + ld.chunk_hash
+
+
+def _walk_parts(host: np.ndarray, offs: np.ndarray, sizes: np.ndarray, layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """[layer, object] offsets and sizes of the parts of variable-size objects, packed
+    back to back (each rounded up to 8 bytes), found by reading each part's length. A
+    length that leads outside its object gives the rest of the parts size 0 (refused)."""
+    parts = np.zeros((layers, len(offs)), dtype=np.int64)
+    out = np.zeros((layers, len(offs)), dtype=np.int64)
+    for k, (off, size) in enumerate(zip(offs.tolist(), sizes.tolist())):
+        at, end = off, off + size
+        for i in range(layers):
+            if at + HEADER_BYTES > end or end > host.size:
+                break
+            n = int(host[at:at + HEADER_BYTES].view(HEADER_RECORD)["payload"][0])
+            part = HEADER_BYTES + n
+            if at + part > end:
+                break
+            parts[i, k], out[i, k] = at, part
+            at += -(-part // 8) * 8
+    return parts, out

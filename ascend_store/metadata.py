@@ -15,14 +15,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 @dataclass
 class ChunkLoad:
-    """Load one chunk's pages ``skip..`` into ``block_ids`` (the first ``skip`` pages
-    are already in the device cache and are left alone)."""
+    """Load pages ``skip..skip+len(block_ids)`` of one chunk object of ``object_blocks``
+    blocks into ``block_ids`` (the first ``skip`` pages are already in the device cache
+    and are left alone; pages past the end are not needed)."""
 
     req_id: str
     group: int
     chunk_hash: str
     block_ids: list[int]
     skip: int = 0
+    object_blocks: int = 0  # 0: skip + len(block_ids)
+
+    def __post_init__(self):
+        if not self.object_blocks:
+            self.object_blocks = self.skip + len(self.block_ids)
 
 
 @dataclass

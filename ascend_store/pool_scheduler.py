@@ -1,17 +1,20 @@
 """Scheduler half: prefix lookup in the pool, load/save planning, request lifecycle.
 
 Per request we hash the prompt into chained chunk keys once, ask the pool which
-leading chunks it holds for every layer and TP shard (one batched call), and plan:
+leading chunks it holds (one key per chunk, KV cache group and TP shard: a chunk object
+holds every layer), and plan:
 - loads: the chunks past vLLM's own device-cache hit, in the step the request is
   scheduled;
 - saves: each full prompt chunk in the step that finishes computing it, unless the
-  pool already had it.
+  pool already had it, and, once the prompt is computed, its *tail*: the whole blocks
+  past its last full chunk, as one shorter object, so a repeated prompt recomputes at
+  most one block (dense models; a hybrid hit must end where the state was saved).
 Hybrid models (docs/hybrid.md): a hit also needs every linear-attention layer's state
 at the hit's last chunk boundary; that state is saved when a step ends on a chunk
 boundary (vLLM's align mode keeps the state only there) and loaded into the block vLLM
 reads the state of a hit from.
-Saves complete inside the step (``wait_for_save``), so finished requests free their
-blocks at once.
+A step's saves are waited for at the start of the next step (``defer_save_drain``), before
+vLLM can reuse a finished request's blocks.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from ascend_store import seams
 from ascend_store.backends import BackendUnavailable, create_backend
 from ascend_store.config import StoreConfig
 from ascend_store.hit_cache import BlockHitCache
-from ascend_store.keys import KeySpace, chunk_hashes, identity_from_vllm
+from ascend_store.keys import KeySpace, chunk_hashes, identity_from_vllm, partial_hashes
 from ascend_store.layers import ATTN, STATE, group_kinds, layer_ids
 from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
 from ascend_store.stats import AscendStoreStats, IntervalCounters
 
 log = logging.getLogger("ascend_store")
 STATE_TAG = "state/"  # hit-cache entries for a chunk's recurrent state (hybrid models)
+TAIL_TAG = "tail/"  # hit-cache entries for a prompt's partial last chunk
 
 
 def is_compacted(request) -> bool:
@@ -54,6 +58,8 @@ class _Request:
     pool_hit: int = 0  # chunks the pool served at the last lookup (hybrid: state at its end)
     local_tokens: int = 0  # vLLM's own device-cache hit at the last lookup
     pending_load: list[ChunkLoad] = field(default_factory=list)
+    tail_hit: tuple[str, int] | None = None  # (partial hash, blocks) the pool served past pool_hit
+    tail_saved: bool = False
 
 
 class PoolScheduler:
@@ -68,9 +74,11 @@ class PoolScheduler:
         tp = identity.tp_size
         self.keyspaces = [KeySpace(identity.namespace(), r, tp) for r in range(tp)]
         self.kinds = group_kinds(kv_cache_config)
-        layers = sorted(set(layer_ids(kv_cache_config).values()))
-        self.attn_layers = [(g, i) for g, i in layers if self.kinds[g] == ATTN]
-        self.state_layers = [(g, i) for g, i in layers if self.kinds[g] == STATE]
+        ids = layer_ids(kv_cache_config).values()
+        spans = {g: (min(i for h, i in ids if h == g), max(i for h, i in ids if h == g)) for g, _ in ids}
+        # One chunk object per (group, TP shard): the keys a chunk needs, per kind.
+        self.attn_layers = [(g, spans[g]) for g in sorted(spans) if self.kinds[g] == ATTN]
+        self.state_layers = [(g, spans[g]) for g in sorted(spans) if self.kinds[g] == STATE]
         if len(self.kinds) > 1:  # vLLM cannot map block-level load failures itself
             seams.install_failed_load_preemption()
         self.backend = create_backend(cfg, role="scheduler") if self.can_load else None
@@ -105,8 +113,8 @@ class PoolScheduler:
         ask = [(tag, c) for c in range(start, end) for tag, _ in tags if (tag, c) not in known]
         if ask:
             layers_of = dict(tags)
-            keys = [ks.key(g, layer, hashes[c]) for tag, c in ask for ks in self.keyspaces
-                    for g, layer in layers_of[tag]]
+            keys = [ks.key(g, span, hashes[c]) for tag, c in ask for ks in self.keyspaces
+                    for g, span in layers_of[tag]]
             self.counters["lookup_rpcs"] += 1
             try:
                 found = self.backend.exists(keys)
@@ -130,6 +138,34 @@ class PoolScheduler:
             return max(prefix, start)
         return next((c + 1 for c in range(prefix - 1, start - 1, -1) if known[(STATE_TAG, c)]), start)
 
+    def _tail_hit(self, prompt, hashes: list[str], hit: int) -> tuple[str, int] | None:
+        """The longest partial object (whole blocks past chunk ``hit``) the pool holds for
+        this prompt, when the full-chunk hit ends at ``hit``. One call for every length."""
+        start = hit * self.chunk
+        tails = partial_hashes(prompt, self.chunk, self.block_size, hashes[hit - 1] if hit else None, start)
+        if not tails:
+            return None
+        cache = self.hit_cache
+        known = {h: cache.get(TAIL_TAG + h) for h in tails} if cache is not None else {}
+        ask = [h for h in tails if known.get(h) is None]
+        if ask:
+            keys = [ks.key(g, span, h) for h in ask for ks in self.keyspaces for g, span in self.attn_layers]
+            self.counters["lookup_rpcs"] += 1
+            try:
+                found = self.backend.exists(keys)
+            except BackendUnavailable:
+                self.counters["lookup_errors"] += 1
+                return None
+            n = len(self.keyspaces) * len(self.attn_layers)
+            for i, h in enumerate(ask):
+                known[h] = all(found[i * n:(i + 1) * n])
+                if cache is not None:
+                    cache.put(TAIL_TAG + h, known[h])
+        for k in range(len(tails), 0, -1):
+            if known[tails[k - 1]]:
+                return tails[k - 1], k
+        return None
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = request.prompt_token_ids or []
         state = self._reqs.get(request.request_id)
@@ -151,7 +187,14 @@ class PoolScheduler:
         self.counters["lookup_seconds"] += time.perf_counter() - t0
         state.saved_chunks = max(start, hit)
         state.pool_hit = hit
-        hit_tokens = min(hit * self.chunk, len(prompt) - 1)
+        hit_tokens = hit * self.chunk
+        state.tail_hit = None
+        if not self.state_layers:
+            state.tail_hit = self._tail_hit(prompt, state.hashes, hit)
+            if state.tail_hit is not None:
+                hit_tokens += state.tail_hit[1] * self.block_size
+        state.tail_saved = state.tail_hit is not None
+        hit_tokens = min(hit_tokens, len(prompt) - 1)
         self.counters["queried_tokens"] += len(prompt)
         if hit_tokens <= num_computed_tokens:
             return 0, False
@@ -175,8 +218,9 @@ class PoolScheduler:
                 continue
             for c in range(local // self.chunk, -(-end // self.chunk)):
                 lo = max(c * bpc, first_block)
-                state.pending_load.append(ChunkLoad(rid, g, state.hashes[c],
-                                                    groups[g][lo:(c + 1) * bpc], skip=lo - c * bpc))
+                chunk_hash, n = (state.hashes[c], bpc) if c < state.pool_hit else state.tail_hit
+                state.pending_load.append(ChunkLoad(rid, g, chunk_hash, groups[g][lo:c * bpc + n],
+                                                    skip=lo - c * bpc, object_blocks=n))
 
     # -- per step -------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
@@ -230,16 +274,38 @@ class PoolScheduler:
                 if block:  # 0 is vLLM's null block: no state kept there
                     meta.saves.append(ChunkSave(req_id, g, state.hashes[done - 1], [block]))
                     saved.append(STATE_TAG + state.hashes[done - 1])
+        tail = self._plan_tail(req_id, state, computed_after_step, meta)
+        if tail is not None:
+            saved.append(TAIL_TAG + tail)
         if self.hit_cache is not None:  # a cached miss must not hide what we now save
             self.hit_cache.invalidate(state.hashes[state.saved_chunks:done] + saved)
         state.saved_chunks = max(state.saved_chunks, done)
         if saved:
             state.pool_hit = done
 
+    def _plan_tail(self, req_id: str, state: _Request, computed_after_step: int, meta: StepMetadata):
+        """Once the whole prompt is computed: save its whole blocks past the last full
+        chunk as one partial object (dense models). Returns its hash when planned."""
+        prompt = state.request.prompt_token_ids or []
+        if self.state_layers or state.tail_saved or computed_after_step < len(prompt):
+            return None
+        state.tail_saved = True
+        done = len(prompt) // self.chunk
+        n = len(prompt) // self.block_size - done * self.blocks_per_chunk
+        if n <= 0:
+            return None
+        tail = partial_hashes(prompt, self.chunk, self.block_size, state.hashes[done - 1] if done else None,
+                              done * self.chunk)[n - 1]
+        first = done * self.blocks_per_chunk
+        for g, kind in enumerate(self.kinds):
+            meta.saves.append(ChunkSave(req_id, g, tail, state.block_ids[g][first:first + n]))
+        return tail
+
     def update_connector_output(self, connector_output) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, WorkerReport) and self.hit_cache is not None:
-            self.hit_cache.invalidate(report.failed_chunks + [STATE_TAG + h for h in report.failed_chunks])
+            failed = report.failed_chunks
+            self.hit_cache.invalidate(failed + [tag + h for tag in (STATE_TAG, TAIL_TAG) for h in failed])
 
     def request_finished(self, request) -> tuple[bool, None]:
         self._reqs.pop(request.request_id, None)

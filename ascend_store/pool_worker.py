@@ -30,7 +30,7 @@ from ascend_store.metadata import StepMetadata, WorkerReport
 from ascend_store.saves import Saver
 from ascend_store.stats import AscendStoreStats, IntervalCounters
 from ascend_store.transfer import LayerLayout
-from ascend_store.worker_context import WorkerContext
+from ascend_store.worker_context import GroupFormat, WorkerContext
 
 log = logging.getLogger("ascend_store")
 
@@ -113,13 +113,17 @@ class PoolWorker:
                                  f"{exc}") from None
             ctx.layouts[name] = layout
         ctx.order = [n for n in self.layer_ids if n in ctx.layouts]
-        ctx.prefixes = {n: (self.layer_ids[n][0], self.keyspace.prefix(*self.layer_ids[n]))
-                        for n in ctx.order}
+        for g in sorted({self.layer_ids[n][0] for n in ctx.order}):
+            names = [n for n in ctx.order if self.layer_ids[n][0] == g]
+            ids = [self.layer_ids[n][1] for n in names]
+            ctx.groups[g] = GroupFormat.of(g, self.keyspace.prefix(g, (min(ids), max(ids))), names, ids,
+                                           ctx.layouts, ctx.codecs)
+            ctx.group_of.update({n: (g, i) for i, n in enumerate(names)})
         states = {n: ctx.layouts[n] for n in ctx.order if n in self.state_layers}
         first = ctx.layouts[next(n for n in ctx.order if n not in states)]
-        log.info("ascend-store: %d layers (%d with recurrent state), page %s (%d bytes), %d blocks "
-                 "per object, keys %s", len(ctx.order), len(states), first.describe(),
-                 first.page_bytes, self.blocks_per_chunk, self.keyspace.namespace)
+        log.info("ascend-store: %d layers (%d with recurrent state) in %d chunk objects per chunk, page "
+                 "%s (%d bytes), %d blocks per chunk, keys %s", len(ctx.order), len(states), len(ctx.groups),
+                 first.describe(), first.page_bytes, self.blocks_per_chunk, self.keyspace.namespace)
         if states:
             self._install_hybrid(states)
         device = ctx.layouts[ctx.order[0]].tensor.device

@@ -1,9 +1,12 @@
 """The worker's saves: a step's new full chunks from vLLM's KV cache into the pool.
 
-One ``reserve`` for every (layer, chunk) object of the step, a copy task per layer
-queued by ``save_layer`` right after the layer wrote its KV (from an event recorded on
-the compute stream, on accelerators), and one ``commit`` once the copies are done, on
-the save thread, so objects become visible even if the engine goes idle.
+One ``reserve`` of the step's chunk objects (one per chunk and KV cache group, every
+layer inside: worker_context.py), a copy task per layer queued by ``save_layer`` right
+after the layer wrote its KV (from an event recorded on the compute stream, on
+accelerators), and one ``commit`` once the copies are done, on the save thread, so
+objects become visible even if the engine goes idle. Only objects whose every layer part
+was written are committed; the rest are aborted. Variable-size codecs (zstd) encode each
+layer as it comes and reserve at the end, when the sizes are known.
 
 ``defer_drain``: the wait for the last layers' copies moves from the end of the step to
 the start of the next one (vLLM's ``handle_preemptions``, called first in
@@ -17,26 +20,43 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ascend_store.backends import BackendUnavailable, Status
 from ascend_store.device_path import LayerObjects
 from ascend_store.metadata import ChunkSave
+from ascend_store.segments import CopyPlanner, StepPages
 from ascend_store.transfer import FLAG_WSUM, HEADER_BYTES, seal, seal_headers, write_object
-from ascend_store.worker_context import WorkerContext
+from ascend_store.worker_context import GroupStep, WorkerContext
 
 log = logging.getLogger("ascend_store")
+
+
+@dataclass
+class Reserved:
+    """A group's objects of the step: their slots (-1: not reserved), the layer parts
+    written so far per object, and the entries' pages for the batched copies."""
+
+    step: GroupStep
+    offsets: np.ndarray  # per object
+    written: np.ndarray  # per object: layer parts written
+    fps: np.ndarray  # [layer, object] header fingerprints
+    planner: CopyPlanner | None = None
+    encoded: dict[int, list[bytes]] = field(default_factory=dict)  # variable codecs: object -> parts
+    saves: list = field(default_factory=list)  # per object: its ChunkSave
+    parts: np.ndarray | None = None  # [layer, reserved object] part offsets (fixed-size codecs)
+    ok: np.ndarray | None = None  # indexes of the reserved objects
 
 
 class SaveJob:
     def __init__(self, saves: list[ChunkSave]):
         self.saves = saves
-        self.plan: list[tuple[str, int, str]] = []  # (layer, save index, key), deduplicated
-        self.slots: dict[tuple[str, int], tuple[str, int, int]] = {}  # (layer, j) -> key, off, size
-        self.failed: set[str] = set()
+        self.groups: dict[int, Reserved] = {}
         self.futures: list[Future] = []
-        self.device_saves: list = []  # queued copies to seal at commit (accelerators)
+        self.device_saves: list = []  # (queued copy, Reserved, layer index) to seal at commit
         self.cancelled = False
 
 
@@ -51,7 +71,7 @@ class Saver:
     def save_layer(self, layer_name: str, saves: list[ChunkSave] | None) -> None:
         """Queue the save of ``layer_name``'s part of this step's chunks (it just wrote them)."""
         job = self._step_job(saves)
-        if job is not None and layer_name in self.ctx.layouts:
+        if job is not None and layer_name in self.ctx.group_of:
             job.futures.append(self._thread.submit(self._run_save_layer, job, layer_name, self._now()))
 
     def end_step(self, saves: list[ChunkSave] | None, whole: bool) -> None:
@@ -104,99 +124,152 @@ class Saver:
         ctx = self.ctx
         try:
             ctx.arena()  # map the arena first so slot bounds are checked against it
-            # Requests sharing a prefix save the same chunk in one step: reserve it once.
-            first = {}
-            for entry in ctx.plan(job.saves):
-                first.setdefault(entry[2], entry)
-            job.plan = list(first.values())
-            fixed = [e for e in job.plan if ctx.codecs[e[0]].fixed_size]
-            if fixed:  # one reserve for the whole step; variable sizes reserve per layer
-                self._reserve(job, fixed, [ctx.object_bytes(n) for n, _, _ in fixed])
+            # Requests sharing a prefix save the same chunk in one step: once.
+            steps = ctx.plan(job.saves, dedupe=True)
+            for st in steps:
+                codec = ctx.codecs[st.fmt.layers[0]].name
+                job.groups[st.fmt.group] = Reserved(
+                    st, np.full(len(st.keys), -1, dtype=np.int64), np.zeros(len(st.keys), dtype=np.int64),
+                    st.fmt.fingerprints(st.keys, ctx.layouts, codec),
+                    saves=[job.saves[j] for j in st.entries.tolist()])
+            fixed = [job.groups[st.fmt.group] for st in steps if st.fmt.fixed]
+            if fixed:  # one reserve for the whole step; variable sizes reserve at commit
+                self._reserve(fixed, [r.step.fmt.size(r.step.blocks) for r in fixed])
+            for r in fixed:  # where every layer's part of every reserved object goes
+                r.ok = np.flatnonzero(r.offsets >= 0)
+                r.parts = r.step.fmt.parts(r.offsets[r.ok], r.step.blocks[r.ok])
         except Exception as exc:
             if not isinstance(exc, BackendUnavailable):
                 log.exception("KV pool reserve failed; not saving this step")
             ctx.counters["save_errors"] += 1
 
-    def _reserve(self, job: SaveJob, plan: list, sizes: list[int]) -> None:
-        for (name, j, key), slot in zip(plan, self.ctx.backend.reserve([k for _, _, k in plan], sizes)):
-            if slot.status is Status.OK:
-                job.slots[(name, j)] = (key, slot.offset, slot.size)
-            else:
-                self.ctx.counters["save_skipped_" + slot.status.name.lower()] += 1
+    def _reserve(self, groups: list[Reserved], sizes: list[np.ndarray]) -> None:
+        keys = [k for r in groups for k in r.step.keys]
+        slots = self.ctx.backend.reserve(keys, np.concatenate(sizes).tolist())
+        at = 0
+        for r in groups:
+            for k, slot in enumerate(slots[at:at + len(r.step.keys)]):
+                if slot.status is Status.OK:
+                    r.offsets[k] = slot.offset
+                else:
+                    self.ctx.counters["save_skipped_" + slot.status.name.lower()] += 1
+            at += len(r.step.keys)
 
     def _run_save_layer(self, job: SaveJob, name: str, after=None) -> None:
         ctx = self.ctx
         t0 = time.perf_counter()
-        arena = ctx.arena()
-        layout = ctx.layouts[name]
-        codec = ctx.codecs[name]
-        if ctx.device_path is not None and codec.fixed_size:
-            self._save_on_device(job, arena, name, after)
-            ctx.counters["save_seconds"] += time.perf_counter() - t0
-            return
-        encoded = {}
-        if not codec.fixed_size and not job.cancelled:
-            # Sizes are known only after encoding: reserve this layer's objects now.
-            mine = [e for e in job.plan if e[0] == name]
-            encoded = {e[2]: codec.encode_bytes(layout, job.saves[e[1]].block_ids) for e in mine}
-            try:
-                self._reserve(job, mine, [HEADER_BYTES + len(encoded[k]) for _, _, k in mine])
-            except BackendUnavailable:
-                ctx.counters["save_errors"] += 1
-        for j, sv in enumerate(job.saves):
-            target = job.slots.get((name, j))
-            if target is None or job.cancelled:
-                continue
-            key, off, size = target
-            obj = arena[off:off + size]
-            try:
-                if key in encoded:
-                    obj[HEADER_BYTES:].copy_(torch.frombuffer(bytearray(encoded[key]), dtype=torch.uint8))
-                    seal(obj, size - HEADER_BYTES, layout, key, codec, ctx.cfg.verify_checksum)
-                else:
-                    write_object(obj, layout, sv.block_ids, key, ctx.cfg.verify_checksum, codec)
-                ctx.counters["saved_raw_bytes"] += len(sv.block_ids) * layout.page_bytes
-            except Exception:
-                log.exception("KV pool save of %s failed", key)
-                job.failed.add(key)
+        g, i = ctx.group_of[name]
+        r = job.groups.get(g)
+        if r is not None and not job.cancelled:
+            layout, codec = ctx.layouts[name], ctx.codecs[name]
+            saves = r.saves
+            if not codec.fixed_size:
+                for k, sv in enumerate(saves):  # encoded now (the blocks may be reused later)
+                    r.encoded.setdefault(k, []).append(codec.encode_bytes(layout, sv.block_ids))
+            elif ctx.device_path is not None:
+                self._save_on_device(job, r, saves, name, i, after)
+            else:
+                self._save_on_host(r, saves, name, i)
+            ctx.counters["saved_raw_bytes"] += int(r.step.blocks.sum()) * layout.page_bytes
         ctx.counters["save_seconds"] += time.perf_counter() - t0
 
-    def _save_on_device(self, job: SaveJob, arena: torch.Tensor, name: str, after) -> None:
-        if job.cancelled:
+    def _save_on_host(self, r: Reserved, saves: list[ChunkSave], name: str, i: int) -> None:
+        ctx = self.ctx
+        arena = ctx.arena()
+        st = r.step
+        parts = st.fmt.parts(r.offsets, st.blocks)[i]
+        sizes = st.fmt.part_sizes(st.blocks)[i]
+        for k, sv in enumerate(saves):
+            if r.offsets[k] < 0:
+                continue
+            off, size = int(parts[k]), int(sizes[k])
+            try:
+                write_object(arena[off:off + size], ctx.layouts[name], sv.block_ids, st.keys[k],
+                             ctx.cfg.verify_checksum, ctx.codecs[name], salt=int(st.fmt.salts[i]))
+                r.written[k] += 1
+            except Exception:
+                log.exception("KV pool save of %s layer %s failed", st.keys[k], name)
+
+    def _save_on_device(self, job: SaveJob, r: Reserved, saves: list[ChunkSave], name: str, i: int,
+                        after) -> None:
+        ok = r.ok
+        if ok is None or not len(ok):
             return
-        mine = [(job.slots[(name, j)], sv.block_ids) for j, sv in enumerate(job.saves)
-                if (name, j) in job.slots]
-        if not mine:
-            return
-        objs = LayerObjects(name, [t[1] for t, _ in mine], [t[2] for t, _ in mine], [b for _, b in mine],
-                            [0] * len(mine), [t[0] for t, _ in mine])
-        page_bytes = self.ctx.layouts[name].page_bytes
-        self.ctx.counters["saved_raw_bytes"] += sum(len(b) for _, b in mine) * page_bytes
-        job.device_saves.append(self.ctx.device_path.save_layer(arena, objs, after))
+        st = r.step
+        if r.planner is None:  # one copy plan for every layer of the step
+            r.planner = CopyPlanner(StepPages.of([saves[k].block_ids for k in ok.tolist()], [0] * len(ok)))
+        objs = LayerObjects(name, r.parts[i], HEADER_BYTES + st.fmt.per_block[i] * st.blocks[ok], [], [], [],
+                            planner=r.planner, fps=r.fps[i, ok])
+        job.device_saves.append((self.ctx.device_path.save_layer(self.ctx.arena(), objs, after), r))
 
     def _seal_device_saves(self, job: SaveJob) -> None:
-        """Headers go in once a layer's copy is done, with the sums it computed."""
+        """Headers go in once the layers' copies are done, with the sums they computed:
+        one numpy pass for every layer part of the step."""
         ctx = self.ctx
-        host = ctx.arena().numpy()
         flags = FLAG_WSUM if ctx.cfg.verify_checksum else 0
-        for q in job.device_saves:
-            sums = ctx.device_path.finish_save(q)
-            o = q.objs
-            seal_headers(host, o.offsets, [size - HEADER_BYTES for size in o.sizes], o.keys,
-                         ctx.layouts[o.name], ctx.codecs[o.name], flags, sums)
+        sums = ctx.device_path.finish_saves([q for q, _ in job.device_saves])
+        by_codec: dict[str, list] = {}
+        for (q, r), s in zip(job.device_saves, sums):
+            by_codec.setdefault(ctx.codecs[q.objs.name].name, []).append((q.objs, s))
+            r.written[r.ok] += 1
+        host = ctx.arena().numpy()
+        for parts in by_codec.values():
+            o0 = parts[0][0]
+            seal_headers(host, np.concatenate([o.offsets for o, _ in parts]),
+                         np.concatenate([np.asarray(o.sizes) for o, _ in parts]) - HEADER_BYTES,
+                         np.concatenate([o.fps for o, _ in parts]), ctx.layouts[o0.name], ctx.codecs[o0.name],
+                         flags, np.concatenate([np.asarray(s, dtype=np.int64) for _, s in parts]))
+
+    def _write_encoded(self, r: Reserved) -> None:
+        """Variable-size codecs: reserve each object at its packed size, write its parts."""
+        ctx = self.ctx
+        st = r.step
+        done = [k for k, parts in r.encoded.items() if len(parts) == len(st.fmt.layers)]
+        if not done:
+            return
+        padded = {k: [-(-(HEADER_BYTES + len(p)) // 8) * 8 for p in r.encoded[k]] for k in done}
+        sizes = np.zeros(len(st.keys), dtype=np.int64)
+        for k in done:
+            sizes[k] = sum(padded[k])
+        sub = Reserved(GroupStep(st.fmt, st.entries, st.obj, [st.keys[k] for k in done], st.blocks[done]),
+                       np.full(len(done), -1, dtype=np.int64), np.zeros(len(done), dtype=np.int64), r.fps)
+        self._reserve([sub], [sizes[done]])
+        arena = ctx.arena()
+        for pos, k in enumerate(done):
+            r.offsets[k] = at = int(sub.offsets[pos])
+            if at < 0:
+                continue
+            for i, (name, payload) in enumerate(zip(st.fmt.layers, r.encoded[k])):
+                obj = arena[at:at + HEADER_BYTES + len(payload)]
+                obj[HEADER_BYTES:].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+                seal(obj, len(payload), ctx.layouts[name], st.keys[k], ctx.codecs[name], ctx.cfg.verify_checksum,
+                     salt=int(st.fmt.salts[i]))
+                at += padded[k][i]
+            r.written[k] = len(st.fmt.layers)
 
     def _run_commit(self, job: SaveJob) -> None:
         if job.cancelled:
             return
-        sizes = {key: size for key, _, size in job.slots.values()}
-        done = [k for k in sizes if k not in job.failed]
+        ctx = self.ctx
         try:
             if job.device_saves:
                 self._seal_device_saves(job)
-            self.ctx.backend.abort(sorted(job.failed))
-            for key, status in zip(done, self.ctx.backend.commit(done)):
+            for r in job.groups.values():
+                if not r.step.fmt.fixed:
+                    self._write_encoded(r)
+            done, partial, sizes = [], [], {}
+            for r in job.groups.values():
+                total = r.step.fmt.size(r.step.blocks)
+                for k in np.flatnonzero(r.offsets >= 0).tolist():
+                    # Commit only objects whose every layer part was written.
+                    (done if r.written[k] == len(r.step.fmt.layers) else partial).append(r.step.keys[k])
+                    sizes[r.step.keys[k]] = int(total[k])
+            if partial:
+                ctx.counters["save_incomplete"] += len(partial)
+                ctx.backend.abort(partial)
+            for key, status in zip(done, ctx.backend.commit(done)):
                 if status is Status.OK:
-                    self.ctx.counters["saved_objects"] += 1
-                    self.ctx.counters["saved_bytes"] += sizes[key]
+                    ctx.counters["saved_objects"] += 1
+                    ctx.counters["saved_bytes"] += sizes[key]
         except BackendUnavailable:
-            self.ctx.counters["save_errors"] += 1
+            ctx.counters["save_errors"] += 1

@@ -127,33 +127,77 @@ class LayerCopy:
     payload_word: np.ndarray  # each segment's word offset within its object's payload
 
 
+@dataclass
+class StepPages:
+    """Every page a step moves for one KV cache group, in object order: the object
+    (index into the step's admitted objects) and page within its payload of each, and
+    the cache block it goes to or comes from (-1: a skipped page, read for the checksum
+    only). Built once per step; every layer of the group shares it."""
+
+    obj: np.ndarray
+    page: np.ndarray
+    block: np.ndarray
+    n_objects: int
+
+    @classmethod
+    def of(cls, blocks: list[list[int]], skips: list[int], totals: list[int] | None = None) -> "StepPages":
+        """``totals``: each object's page count, when pages past ``skip + len(blocks)`` are
+        not moved (a load that needs only the start of an object still reads the rest for
+        its checksum)."""
+        ends = [k + len(b) for b, k in zip(blocks, skips)]
+        totals = ends if totals is None else totals
+        counts = np.asarray(totals, dtype=np.int64)
+        flat: list[int] = []
+        for b, k, end, total in zip(blocks, skips, ends, totals):
+            if k:
+                flat += [-1] * k
+            flat += b
+            if total > end:
+                flat += [-1] * (total - end)
+        obj = np.repeat(np.arange(len(blocks), dtype=np.int64), counts)
+        page = np.arange(len(obj), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        return cls(obj, page, np.asarray(flat, dtype=np.int64), len(blocks))
+
+
+class CopyPlanner:
+    """Builds each layer's ``LayerCopy`` from a step's pages: the cache side depends only
+    on the layer's page plan (shared by layers with the same one), the arena side only on
+    where each object's part for that layer starts, so a layer costs two numpy adds."""
+
+    def __init__(self, pages: StepPages):
+        self.pages = pages
+        self._cache: dict[PagePlan, tuple] = {}
+
+    def _cache_side(self, plan: PagePlan):
+        got = self._cache.get(plan)
+        if got is None:
+            p = self.pages
+            per_page = len(plan.offsets)
+            seg_words = plan.seg_bytes // WORD
+            seg = np.arange(per_page, dtype=np.int64)
+            payload = ((p.page[:, None] * per_page + seg[None, :]) * seg_words).reshape(-1)
+            seg_off = np.asarray(plan.offsets, dtype=np.int64) // WORD
+            cache = (plan.origin + p.block * plan.block_stride)[:, None] // WORD + seg_off[None, :]
+            cache = np.where(p.block[:, None] >= 0, cache, -1).reshape(-1)
+            got = self._cache[plan] = (payload, cache, np.repeat(p.obj, per_page), seg_words)
+        return got
+
+    def layer(self, plan: PagePlan, payload_offsets: np.ndarray, load: bool) -> LayerCopy:
+        """``payload_offsets``: byte offset of each object's payload for this layer."""
+        payload, cache, obj_of_seg, seg_words = self._cache_side(plan)
+        arena = (np.asarray(payload_offsets, dtype=np.int64) // WORD)[obj_of_seg] + payload
+        src, dst = (arena, cache) if load else (cache, arena)
+        return LayerCopy(src, dst, seg_words, obj_of_seg, payload)
+
+
 def plan_objects(plan: PagePlan, objects: list[tuple[int, list[int], int]], load: bool,
                  header: int = HEADER_BYTES) -> LayerCopy:
     """``objects``: (byte offset of the object, block ids, pages to skip); its payload
     starts ``header`` bytes further. A load copies objects -> cache (skipped pages are
-    read for the checksum only: dst -1); a save copies cache -> objects. Built with
-    numpy: a layer has thousands of segments."""
-    per_page = len(plan.offsets)
-    seg_words = plan.seg_bytes // WORD
-    offs = np.asarray([o for o, _, _ in objects], dtype=np.int64)
-    counts = np.asarray([skip + len(blocks) for _, blocks, skip in objects], dtype=np.int64)
-    flat: list[int] = []  # block per page, -1 for skipped pages
-    for _, bl, skip in objects:
-        if skip:
-            flat += [-1] * skip
-        flat += bl
-    blocks = np.asarray(flat, dtype=np.int64)
-    obj = np.repeat(np.arange(len(objects), dtype=np.int64), counts)  # per page
-    page = np.arange(len(obj), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    seg = np.arange(per_page, dtype=np.int64)
-    payload = (page[:, None] * per_page + seg[None, :]) * seg_words  # words into the payload
-    arena = (offs[obj] + header)[:, None] // WORD + payload
-    seg_off = np.asarray(plan.offsets, dtype=np.int64)
-    cache = (plan.origin + blocks * plan.block_stride)[:, None] // WORD + seg_off[None, :] // WORD
-    cache = np.where(blocks[:, None] >= 0, cache, -1)
-    a, c = arena.reshape(-1), cache.reshape(-1)
-    src, dst = (a, c) if load else (c, a)
-    return LayerCopy(src, dst, seg_words, np.repeat(obj, per_page), payload.reshape(-1))
+    read for the checksum only: dst -1); a save copies cache -> objects."""
+    pages = StepPages.of([b for _, b, _ in objects], [k for _, _, k in objects])
+    offs = np.asarray([o for o, _, _ in objects], dtype=np.int64) + header
+    return CopyPlanner(pages).layer(plan, offs, load)
 
 
 def object_sums(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> list[int]:
@@ -169,15 +213,29 @@ def object_sums(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> list[i
     return fold_array(s1, s2).tolist()
 
 
+def object_sums_many(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> np.ndarray:
+    """``object_sums`` of several layers' copies that share ``copy``'s plan at once:
+    ``seg_sums`` is [layers, segments, 2]; returns [layers, objects] folded sums."""
+    layers = seg_sums.shape[0]
+    if n_objects == 0:
+        return np.zeros((layers, 0), dtype=np.int64)
+    sums = seg_sums.astype(np.int64).view(np.uint64).reshape(layers, -1, 2)
+    first = np.searchsorted(copy.obj_of_seg, np.arange(n_objects))
+    with np.errstate(over="ignore"):
+        s1 = np.add.reduceat(sums[:, :, 0], first, axis=1)
+        s2 = np.add.reduceat(sums[:, :, 1] + copy.payload_word.astype(np.uint64)[None, :] * sums[:, :, 0],
+                             first, axis=1)
+    return fold_array(s1, s2)
+
+
 def run_copy(copy: LayerCopy, src, dst, device: torch.device) -> torch.Tensor:
     """Queue the copy on the current stream (Triton on CUDA, torch ops elsewhere); returns
     the per-segment [n, 2] int64 sums in host memory, valid once the queued work is done
     (on CUDA they come back on the same stream, so the host never blocks here)."""
     n = len(copy.src)
     if device.type != "cuda":
-        sums = torch.zeros((n, 2), dtype=torch.int64)
-        kernels.copy_segments_sum_torch(src, dst, copy.src.tolist(), copy.dst.tolist(), sums,
-                                        copy.seg_words)
+        sums = torch.empty((n, 2), dtype=torch.int64)  # every row is written
+        kernels.copy_segments_sum_torch(src, dst, copy.src, copy.dst, sums, copy.seg_words)
         return sums
     host = torch.empty((n, 2), dtype=torch.int64, pin_memory=True)
     if n == 0:

@@ -150,14 +150,14 @@ def object_bytes(layout: LayerLayout, n: int, codec) -> int:
 
 
 def write_object(obj: torch.Tensor, layout: LayerLayout, block_ids: list[int], key: str,
-                 checksum: bool, codec) -> None:
+                 checksum: bool, codec, salt: int = 0) -> None:
     """Encode ``block_ids``' pages into ``obj`` (host memory) and seal it."""
     codec.encode_into(layout, block_ids, obj[HEADER_BYTES:])
-    seal(obj, obj.numel() - HEADER_BYTES, layout, key, codec, checksum)
+    seal(obj, obj.numel() - HEADER_BYTES, layout, key, codec, checksum, salt=salt)
 
 
 def seal(obj: torch.Tensor, payload_len: int, layout: LayerLayout, key: str, codec, checksum: bool,
-         wsum: int | None = None) -> None:
+         wsum: int | None = None, salt: int = 0) -> None:
     """Write the header of an object whose payload is already in ``obj[HEADER_BYTES:]``
     (``wsum``: the word checksum a copy computed, instead of a CRC32 here). One object
     goes through struct, not ``seal_headers``: per object, that numpy pass slowed the host
@@ -168,61 +168,94 @@ def seal(obj: torch.Tensor, payload_len: int, layout: LayerLayout, key: str, cod
         flags, crc = FLAG_WSUM, wsum
     else:
         flags, crc = FLAG_CRC, zlib.crc32(obj[HEADER_BYTES:HEADER_BYTES + payload_len].numpy())
-    header = HEADER.pack(MAGIC, HEADER_VERSION, flags, fingerprint(key, layout, codec.name), payload_len,
-                         crc, codec.cid, 0)
+    fp = int.from_bytes(fingerprint(key, layout, codec.name), "little") ^ salt
+    header = HEADER.pack(MAGIC, HEADER_VERSION, flags, fp.to_bytes(8, "little"), payload_len, crc, codec.cid, 0)
     obj[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
 
 
-def seal_headers(host: np.ndarray, offsets: list[int], payload_lens: list[int], keys: list[str],
-                 layout: LayerLayout, codec, flags: int, sums: list[int]) -> None:
-    """Write the headers of many objects in ``host`` (uint8) at once (a layer's objects
-    in a step): ``sums`` are their payloads' checksums of the kind ``flags`` names. The
-    same bytes as ``seal`` per object (tests/unit/test_transfer.py)."""
+def seal_headers(host: np.ndarray, offsets, payload_lens, keys: list[str] | np.ndarray,
+                 layout: LayerLayout, codec, flags: int, sums) -> None:
+    """Write the headers of many objects in ``host`` (uint8) at once (every layer part of
+    a step's chunk objects): ``keys`` name them, or are their fingerprints already (uint64
+    array); ``sums`` are their payloads' checksums of the kind ``flags`` names. The same
+    bytes as ``seal`` per object (tests/unit/test_transfer.py)."""
     h = np.zeros(len(offsets), dtype=HEADER_RECORD)
     h["magic"], h["version"], h["flags"], h["codec"] = MAGIC, HEADER_VERSION, flags, codec.cid
-    h["fp"] = np.frombuffer(fingerprints(keys, layout, codec.name), dtype="<u8")
+    h["fp"] = keys if isinstance(keys, np.ndarray) else np.frombuffer(
+        fingerprints(keys, layout, codec.name), dtype="<u8")
     h["payload"] = payload_lens
     h["crc"] = sums if flags else 0
     at = np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(HEADER_BYTES)
     host[at] = h.view(np.uint8).reshape(-1, HEADER_BYTES)
 
 
+def layer_salts(layer_ids) -> np.ndarray:
+    """8 bytes per layer id, xor-ed into the fingerprint of that layer's part of a chunk
+    object: one hash per chunk key serves every layer (a 32K hit has 128 chunk keys and
+    3,584 layer parts)."""
+    return np.frombuffer(b"".join(hashlib.blake2b(f"L{i}".encode(), digest_size=8).digest()
+                                  for i in layer_ids), dtype="<u8").copy()
+
+
 def header_faults(host: np.ndarray, offsets: list[int], sizes: list[int], keys: list[str],
                   layout: LayerLayout, blocks_per_chunk: int, checksum: bool, codec,
                   wsum_later: bool = False) -> tuple[list[str | None], np.ndarray]:
-    """Check many objects at once (a layer's objects in a step) against their keys, the
-    layout and the codec, and their payloads' checksums: a word checksum only unless
-    ``wsum_later`` (the device copy computes it on the way). Returns the reason each
-    object is rejected (None when it is fine) and the headers (HEADER_RECORD)."""
-    limit = HEADER_BYTES + codec.payload_bytes(layout, blocks_per_chunk)
-    offs, size = np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
-    fits = (size >= HEADER_BYTES) & (size <= limit) & (offs >= 0) & (offs + size <= host.size)
-    if codec.fixed_size:
-        fits &= size == limit
-    h = np.zeros(len(offs), dtype=HEADER_RECORD)
-    h[fits] = host[offs[fits][:, None] + np.arange(HEADER_BYTES)].view(HEADER_RECORD)[:, 0]
+    """``check_headers`` for objects named by ``keys`` (no layer salt), of at most
+    ``blocks_per_chunk`` blocks."""
     expect = np.frombuffer(fingerprints(keys, layout, codec.name), dtype="<u8")
+    limit = np.full(len(offsets), codec.payload_bytes(layout, blocks_per_chunk), dtype=np.int64)
+    codes, h = check_headers(host, np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64),
+                             expect, limit, checksum, codec, wsum_later)
+    return fault_messages(codes, h, sizes, limit, keys.__getitem__), h
+
+
+FAULTS = ("size {size} does not fit {limit}", "bad header", "stored for another key or cache layout",
+          "payload length {n} does not fit the object", "written without a checksum", "checksum mismatch")
+
+
+def check_headers(host: np.ndarray, offs: np.ndarray, size: np.ndarray, expect: np.ndarray,
+                  limit: np.ndarray, checksum: bool, codec, wsum_later: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Check many objects at once (all layer parts of a step's chunk objects) against their
+    expected fingerprints (key, layer, layout, codec) and payload sizes ``limit`` (the
+    exact size for fixed-size codecs, a bound otherwise), and their payloads' checksums: a
+    word checksum only unless ``wsum_later`` (the device copy computes it on the way).
+    Returns a fault code per object (0: fine, else 1 + an index into FAULTS) and the
+    headers (HEADER_RECORD)."""
+    fits = (size >= HEADER_BYTES) & (size <= limit + HEADER_BYTES) & (offs >= 0) & (offs + size <= host.size)
+    if codec.fixed_size:
+        fits &= size == limit + HEADER_BYTES
+    h = np.zeros(len(offs), dtype=HEADER_RECORD)
+    if fits.all() and not (offs % 8).any():  # one gather of 4 words per header
+        h = host[:host.size // 8 * 8].view(np.uint64)[(offs // 8)[:, None] + np.arange(HEADER_BYTES // 8)]
+        h = h.view(HEADER_RECORD)[:, 0]
+    elif fits.any():
+        h[fits] = host[offs[fits][:, None] + np.arange(HEADER_BYTES)].view(HEADER_RECORD)[:, 0]
     n = h["payload"].astype(np.int64)
     flags = h["flags"].astype(np.int64)
-    reasons = [
-        (~fits, "size {size} does not fit {limit}"),
-        ((h["magic"] != MAGIC) | (h["version"] != HEADER_VERSION) | (h["codec"] != codec.cid), "bad header"),
-        (h["fp"] != expect, "stored for another key or cache layout"),
-        ((n < 0) | (n > size - HEADER_BYTES) | (codec.fixed_size & (n != size - HEADER_BYTES)),
-         "payload length {n} does not fit the object"),
-        (checksum & ((flags & (FLAG_CRC | FLAG_WSUM)) == 0), "written without a checksum"),
+    bad = [
+        ~fits,
+        (h["magic"] != MAGIC) | (h["version"] != HEADER_VERSION) | (h["codec"] != codec.cid),
+        h["fp"] != expect,
+        (n < 0) | (n > size - HEADER_BYTES) | (codec.fixed_size & (n != size - HEADER_BYTES)),
+        np.full(len(offs), checksum) & ((flags & (FLAG_CRC | FLAG_WSUM)) == 0),
     ]
-    first = np.select([bad for bad, _ in reasons], list(range(1, len(reasons) + 1)), 0).tolist()
-    faults = [None if r == 0 else
-              f"{keys[i]}: " + reasons[r - 1][1].format(size=sizes[i], limit=limit, n=n[i])
-              for i, r in enumerate(first)]
+    codes = np.select(bad, list(range(1, len(bad) + 1)), 0)
     if checksum:  # payload sums on the host: CRC32 (host writers), word sums unless later
         on_host = (flags & (FLAG_CRC if wsum_later else FLAG_CRC | FLAG_WSUM)) != 0
-        for i in np.flatnonzero(on_host & (np.asarray(first) == 0)).tolist():
+        for i in np.flatnonzero(on_host & (codes == 0)).tolist():
             payload = host[offs[i] + HEADER_BYTES:offs[i] + HEADER_BYTES + n[i]]
             if _payload_sum(payload, int(flags[i])) != int(h["crc"][i]):
-                faults[i] = f"{keys[i]}: checksum mismatch"
-    return faults, h
+                codes[i] = len(FAULTS)
+    return codes, h
+
+
+def fault_messages(codes: np.ndarray, h: np.ndarray, sizes, limit, label) -> list[str | None]:
+    """Readable reasons for ``check_headers``' codes (``label(i)`` names object i)."""
+    out: list[str | None] = [None] * len(codes)
+    for i in np.flatnonzero(codes).tolist():
+        out[i] = f"{label(i)}: " + FAULTS[codes[i] - 1].format(
+            size=int(sizes[i]), limit=int(limit[i]) + HEADER_BYTES, n=int(h["payload"][i]))
+    return out
 
 
 def _payload_sum(payload: np.ndarray, flags: int) -> int:

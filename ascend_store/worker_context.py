@@ -1,17 +1,80 @@
 """What the worker's load and save paths share: the registered layers, the pool, the
-pool's memory as a tensor, and the naming of each (layer, chunk) object."""
+pool's memory as a tensor, and the chunk objects a step's chunks map to.
+
+A chunk object holds one chunk of every registered layer of one KV cache group, layer
+after layer (each part: the 32-byte header of transfer.py, then the part's payload):
+
+    [L0 header][L0 payload: n pages][L1 header][L1 payload] ... [Lk header][Lk payload]
+
+So a step asks the pool about one key per chunk, and every per-object quantity (where a
+layer's part starts, its size, its expected fingerprint) is a numpy expression over the
+step's objects: layer i's part of an object of n blocks starts at
+``offset + i * HEADER_BYTES + n * before[i]``. Variable-size codecs (zstd) pack their
+parts back to back and are found by walking the headers (their host path only).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ascend_store.backends import Backend
 from ascend_store.config import StoreConfig
 from ascend_store.device_path import DevicePath
 from ascend_store.stats import IntervalCounters
-from ascend_store.transfer import LayerLayout, object_bytes
+from ascend_store.transfer import HEADER_BYTES, LayerLayout, fingerprints, layer_salts
+
+
+@dataclass
+class GroupFormat:
+    """The chunk objects of one KV cache group: its layers in object order and where
+    each layer's part sits."""
+
+    group: int
+    prefix: str  # key prefix: a chunk hash follows
+    layers: list[str]
+    per_block: np.ndarray  # per layer: payload bytes per block
+    before: np.ndarray  # per layer: payload bytes per block of the layers before it
+    salts: np.ndarray  # per layer: xor-ed into its parts' fingerprints
+    fixed: bool  # fixed-size codec: parts at computable offsets
+
+    @classmethod
+    def of(cls, group: int, prefix: str, layers: list[str], ids: list[int], layouts: dict, codecs: dict):
+        per_block = np.asarray([codecs[n].payload_bytes(layouts[n], 1) for n in layers], dtype=np.int64)
+        before = np.concatenate([[0], np.cumsum(per_block)[:-1]]).astype(np.int64)
+        return cls(group, prefix, layers, per_block, before, layer_salts(ids),
+                   all(codecs[n].fixed_size for n in layers))
+
+    def size(self, blocks: np.ndarray) -> np.ndarray:
+        """Bytes of objects of ``blocks`` blocks (an upper bound for variable codecs)."""
+        return len(self.layers) * HEADER_BYTES + np.asarray(blocks, dtype=np.int64) * int(self.per_block.sum())
+
+    def parts(self, offsets: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """[layer, object] arena offset of each layer's part (header included)."""
+        i = np.arange(len(self.layers), dtype=np.int64)[:, None]
+        return offsets[None, :] + i * HEADER_BYTES + self.before[:, None] * blocks[None, :]
+
+    def part_sizes(self, blocks: np.ndarray) -> np.ndarray:
+        return HEADER_BYTES + self.per_block[:, None] * blocks[None, :]
+
+    def fingerprints(self, keys: list[str], layouts: dict, codec_name: str) -> np.ndarray:
+        """[layer, object] fingerprints of each part: one hash per key, a salt per layer."""
+        fp = np.frombuffer(fingerprints(keys, layouts[self.layers[0]], codec_name), dtype="<u8")
+        return fp[None, :] ^ self.salts[:, None]
+
+
+@dataclass
+class GroupStep:
+    """A step's chunks of one group: which entries (indexes into the step's ChunkLoad or
+    ChunkSave list) map to which unique object, and each object's key and block count."""
+
+    fmt: GroupFormat
+    entries: np.ndarray
+    obj: np.ndarray  # per entry: index into ``keys``
+    keys: list[str]
+    blocks: np.ndarray  # per object
 
 
 @dataclass
@@ -20,11 +83,12 @@ class WorkerContext:
     backend: Backend
     counters: IntervalCounters
     blocks_per_chunk: int
-    state_layers: set[str]  # linear-attention layers: one state object per chunk boundary
+    state_layers: set[str]  # linear-attention layers: one state block per chunk boundary
     codecs: dict[str, object]  # layer -> codec
     layouts: dict[str, LayerLayout] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # registered layers, in model order
-    prefixes: dict[str, tuple[int, str]] = field(default_factory=dict)  # layer -> (group, key prefix)
+    groups: dict[int, GroupFormat] = field(default_factory=dict)
+    group_of: dict[str, tuple[int, int]] = field(default_factory=dict)  # layer -> (group, index in it)
     device_path: DevicePath | None = None  # the batched copy path, when on
     _arena: tuple[str, torch.Tensor] | None = None
 
@@ -41,14 +105,27 @@ class WorkerContext:
     def drop_arena(self) -> None:
         self._arena = None
 
-    def plan(self, chunks: list) -> list[tuple[str, int, str]]:
-        """(layer, index into ``chunks``, key) of every object of ``chunks`` (loads or
-        saves), layer by layer in model order."""
-        return [(name, j, prefix + c.chunk_hash) for name, (group, prefix) in self.prefixes.items()
-                for j, c in enumerate(chunks) if c.group == group]
-
-    def object_blocks(self, name: str) -> int:
-        return 1 if name in self.state_layers else self.blocks_per_chunk
-
-    def object_bytes(self, name: str) -> int:
-        return object_bytes(self.layouts[name], self.object_blocks(name), self.codecs[name])
+    def plan(self, chunks: list, dedupe: bool = False) -> list[GroupStep]:
+        """The step's chunk objects per group. Requests sharing a prefix name the same
+        object: each is leased or reserved once; ``dedupe`` (saves) keeps only the first
+        entry of each object."""
+        out = []
+        for g, fmt in self.groups.items():
+            index: dict[str, int] = {}
+            entries, obj, blocks = [], [], []
+            for j, c in enumerate(chunks):
+                if c.group != g:
+                    continue
+                key = fmt.prefix + c.chunk_hash
+                k = index.get(key)
+                if k is None:
+                    k = index[key] = len(index)
+                    blocks.append(c.object_blocks if hasattr(c, "object_blocks") else len(c.block_ids))
+                elif dedupe:
+                    continue
+                entries.append(j)
+                obj.append(k)
+            if entries:
+                out.append(GroupStep(fmt, np.asarray(entries, dtype=np.int64), np.asarray(obj, dtype=np.int64),
+                                     list(index), np.asarray(blocks, dtype=np.int64)))
+        return out

@@ -3,10 +3,12 @@
 A synthetic forward with each layer's real work for Llama-3-8B and Qwen2.5-7B geometry
 (QKV and output projections, attention of the new tokens over the cached prefix read
 from the paged cache, the gated MLP; bf16), fed by the connector's own load pipeline
-(``ascend_store.device_path.DevicePath``: per layer, DMA of the objects from the pinned
-arena and one scatter-and-sum kernel on a side stream, every layer queued before the
-forward as the worker does; the compute stream waits on each layer's event before that
-layer runs; checksums compared at the end). For each case, in one run:
+(``ascend_store.device_path.DevicePath``: the pool's chunk objects, every layer of a
+chunk in one object, side by side in the pinned arena as one request's save leaves them;
+per layer, one 2D DMA of its parts and one scatter-and-sum kernel on a side stream, every
+layer queued before the forward as the worker does, from one copy plan per step; the
+compute stream waits on each layer's event before that layer runs; checksums compared
+at the end). For each case, in one run:
 
   ceiling    one pinned host->device copy of the same bytes (the link's limit)
   load       the pipeline alone: all layers' objects into the cache
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ascend_store.codecs import get_codec  # noqa: E402
 from ascend_store.device_path import DevicePath, LayerObjects  # noqa: E402
+from ascend_store.segments import CopyPlanner, StepPages  # noqa: E402
 from ascend_store.transfer import HEADER_BYTES, LayerLayout, object_bytes, seal  # noqa: E402
 
 # name: (layers, hidden, heads, kv heads, head dim, ffn, block size); objects of 256 tokens
@@ -95,10 +98,10 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda") -> dict
     layouts = {n: LayerLayout(c, 1, (KV_HEADS, BLOCK, HEAD_DIM)) for n, c in zip(names, caches)}
     path = DevicePath(dev, layouts)
     raw = get_codec("raw")
-    per_obj = object_bytes(layouts[names[0]], CHUNK_BLOCKS, raw)
-    obj = aligned(per_obj)
+    per_obj = object_bytes(layouts[names[0]], CHUNK_BLOCKS, raw)  # one layer's part of a chunk object
+    obj = aligned(per_obj * LAYERS)  # a chunk object: every layer's part
     nobj = nblocks // CHUNK_BLOCKS
-    size = obj * nobj * LAYERS
+    size = obj * nobj
     arena_map = mmap.mmap(-1, size)
     arena = path.arena(0, arena_map)
     blocks = torch.arange(nblocks, device=dev)
@@ -108,10 +111,11 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda") -> dict
     filler = LayerLayout(src, 1, (KV_HEADS, BLOCK, HEAD_DIM))
     layers = []
     chunks = [list(range(c * CHUNK_BLOCKS, (c + 1) * CHUNK_BLOCKS)) for c in range(nobj)]
+    planner = CopyPlanner(StepPages.of(chunks, [0] * nobj))  # one plan for the step's layers
     for li, name in enumerate(names):
-        offs = [(li * nobj + c) * obj for c in range(nobj)]
+        offs = [c * obj + li * per_obj for c in range(nobj)]
         objs = LayerObjects(name, offs, [per_obj] * nobj, chunks, [0] * nobj,
-                            [f"k/L{li}/{c}" for c in range(nobj)])
+                            [f"k/L{li}/{c}" for c in range(nobj)], planner=planner)
         filler_path = DevicePath(dev, {name: filler})
         q = filler_path.save_layer(arena, objs, None)
         objs.stored = filler_path.finish_save(q)  # what the worker reads from the headers

@@ -13,8 +13,17 @@ GPU host pays too. One ``torch`` copy of the same bytes gives the baseline, in t
 run. The per-block path has no such split (each of its copies is a host call): its step
 time is printed beside the batched path's.
 
+On this CPU the copy-and-sum runs as a Python loop of torch ops (about a second per
+32K-token step), so the host part would be a small difference of two large numbers on
+a busy machine: ``--device-work skip`` runs the first round for real (and checks every
+loaded block), then replaces the copy with a no-op so later rounds time only the host
+and the pool. ``--checkouts A B`` measures other checkouts of the project in the same
+run (before/after), each in its own process against its own pool. The pool's round
+trips per step are counted too.
+
     python benchmarks/worker_host.py [--tokens 8192 32768] [--geometry qwen2.5-7b/b16]
                                      [--copy-path batched per_block] [--repeat 5]
+                                     [--device-work real|skip] [--checkouts DIR ...]
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.environ.get("ASCEND_STORE_CHECKOUT", os.path.join(HERE, "..")))
+sys.path.insert(1, HERE)
 from lookup import fake_vllm  # noqa: E402
 
 from ascend_store import kernels  # noqa: E402
@@ -84,7 +95,8 @@ def engine_parts(layers: int, kv_heads: int, head_dim: int, block: int, num_bloc
     return vllm_config, kv_cache_config, caches
 
 
-def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, timers: Timers) -> dict:
+def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, timers: Timers,
+        skip_device: bool) -> dict:
     layers, kv_heads, head_dim, block = GEOMETRIES[geometry]
     blocks = tokens // block
     vllm_config, kv_cache_config, caches = engine_parts(layers, kv_heads, head_dim, block, 2 * blocks + 1)
@@ -100,7 +112,10 @@ def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, ti
     objects = chunks * layers
     out = {"geometry": geometry, "tokens": tokens, "copy_path": copy_path, "objects": objects,
            "save": [], "load": []}
+    real_copy = kernels.copy_segments_sum_torch
     for r in range(repeat):
+        if skip_device and r == 1 and copy_path == "batched":
+            kernels.copy_segments_sum_torch = _no_copy
         # Fresh objects every round and every case (the pool keeps what was saved first).
         hashes = [f"{next(ROUNDS):08x}{c:024x}" for c in range(chunks)]
         save = StepMetadata(saves=[ChunkSave("req", 0, h, src[c * per_chunk:(c + 1) * per_chunk])
@@ -124,15 +139,18 @@ def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, ti
 
         for kind, fn in (("save", do_save), ("load", do_load)):
             timers.take()
+            rpcs = worker.backend.rpcs
             t0 = time.perf_counter()
             fn()
-            out[kind].append({"wall": time.perf_counter() - t0, **timers.take()})
-        if out["failed"]:
+            out[kind].append({"wall": time.perf_counter() - t0, **timers.take(),
+                              "rpcs": worker.backend.rpcs - rpcs})
+        if out["failed"] and kernels.copy_segments_sum_torch is real_copy:
             raise SystemExit(f"{out['failed']} blocks failed to load")
-        for name in worker.order:  # the hit landed, block for block
+        for name in worker.order if kernels.copy_segments_sum_torch is real_copy else ():  # block for block
             if not torch.equal(caches[name][:, dst], caches[name][:, src]):
                 raise SystemExit(f"{name}: loaded blocks differ from the saved ones")
         worker.wait_for_save(None)
+    kernels.copy_segments_sum_torch = real_copy
     worker.shutdown()
     # Baseline: the same bytes in one torch copy, per direction.
     nbytes = sum(c[:, src].numel() * c.element_size() for c in caches.values())
@@ -146,16 +164,21 @@ def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, ti
     return out
 
 
-def report(res: dict) -> None:
+def _no_copy(src, dst, src_offs, dst_offs, sums, seg_words) -> None:
+    """--device-work skip: the copy-and-sum's stand-in after the first (checked) round."""
+
+
+def report(res: dict, label: str) -> None:
     memcpy_ms = res["memcpy"] * 1e3
     for kind in ("save", "load"):
         rows = res[kind][1:] or res[kind]  # the first round warms caches and allocators
         med = {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
         host = statistics.median(r["wall"] - r["device"] - r["pool"] for r in rows) * 1e3
-        print(f"{res['geometry']:>16} {res['tokens']:>6} {res['copy_path']:>9} {kind:>4}: "
+        rpcs = max(r["rpcs"] for r in rows)
+        print(f"{label:>8} {res['geometry']:>14} {res['tokens']:>6} {res['copy_path']:>9} {kind:>4}: "
               f"step {med['wall']:7.1f} ms (one memcpy of the bytes {memcpy_ms:6.1f} ms), device work "
-              f"{med['device']:6.1f} ms, pool calls {med['pool']:6.1f} ms, host "
-              f"{host:6.1f} ms = {host * 1e3 / res['objects']:5.1f} us/object ({res['objects']} objects)")
+              f"{med['device']:6.1f} ms, pool calls {med['pool']:5.1f} ms in {rpcs} round trips, host "
+              f"{host:6.1f} ms, host + pool {host + med['pool']:6.1f} ms ({res['objects']} (layer, chunk) pieces)")
 
 
 def main() -> None:
@@ -164,13 +187,23 @@ def main() -> None:
     ap.add_argument("--geometry", nargs="+", default=["qwen2.5-7b/b16"], choices=list(GEOMETRIES))
     ap.add_argument("--copy-path", nargs="+", default=["batched", "per_block"])
     ap.add_argument("--repeat", type=int, default=4)
+    ap.add_argument("--device-work", choices=("real", "skip"), default="real")
+    ap.add_argument("--checkouts", nargs="*", default=[],
+                    help="other checkouts of this project to measure in the same run (each in its own process)")
+    ap.add_argument("--label", default="this")
     args = ap.parse_args()
+    for other in args.checkouts:
+        argv = [a for a in sys.argv[1:] if a not in args.checkouts and a != "--checkouts"]
+        subprocess.run([sys.executable, __file__, *argv, "--label", os.path.basename(os.path.abspath(other))],
+                       env={**os.environ, "ASCEND_STORE_CHECKOUT": os.path.abspath(other),
+                            "PYTHONPATH": os.path.abspath(other)}, check=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     sock = tempfile.mkdtemp(prefix="ascend-store-host-") + "/pool.sock"
     need = max(GEOMETRIES[g][0] * 2 * GEOMETRIES[g][1] * GEOMETRIES[g][2] * 2 for g in args.geometry)
     cap = need * max(args.tokens) * 2  # a round's objects, and room: older rounds are evicted
     server = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", sock,
-                               "--capacity", str(cap)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               "--capacity", str(cap)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONPATH": sys.path[0]})
     timers = Timers()
     for owner, name in DEVICE_WORK:
         timers.wrap(owner, name, "device")
@@ -180,7 +213,7 @@ def main() -> None:
         for g in args.geometry:
             for t in args.tokens:
                 for path in args.copy_path:
-                    report(run(g, t, path, args.repeat, sock, timers))
+                    report(run(g, t, path, args.repeat, sock, timers, args.device_work == "skip"), args.label)
     finally:
         server.terminate()
         server.wait()

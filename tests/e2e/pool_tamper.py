@@ -1,9 +1,10 @@
 """Damage a running local pool on purpose, from outside the engine (test helper).
 
-    python tests/e2e/pool_tamper.py flip SOCKET SET:INDEX     # flip a payload byte
-    python tests/e2e/pool_tamper.py swap SOCKET SET:INDEX     # swap layer 0 and 1 objects
+    python tests/e2e/pool_tamper.py flip SOCKET SET:INDEX     # flip a payload byte (first layer)
+    python tests/e2e/pool_tamper.py swap SOCKET SET:INDEX     # swap the first two layers' parts
     python tests/e2e/pool_tamper.py remove SOCKET SET:INDEX   # delete the prompt's objects
-    (flip and remove take an optional last argument: the layers to touch, e.g. L0,L2)
+    (flip and remove take an optional last argument: the chunk objects to touch by their
+    layer span, e.g. L0-2 for a group of layers 0 and 2)
     python tests/e2e/pool_tamper.py kill SOCKET               # SIGKILL the pool
     python tests/e2e/pool_tamper.py restart SOCKET            # SIGKILL it, start a new one
 SET is a prompt set of tests/e2e/conftest.py (PROMPT_SETS), INDEX a prompt in it.
@@ -54,16 +55,14 @@ def main(op: str, socket: str, prompt: str = "basic:0", layers: str = "") -> Non
     if op == "flip":
         for s in slots.values():
             view[s.offset + HEADER_BYTES + 7] ^= 0x40
-    elif op == "swap":
-        by_chunk: dict[str, dict[str, object]] = {}
+    elif op == "swap":  # a chunk object's layers have equal parts here (raw codec, one layout)
         for k, s in slots.items():
-            *_, layer, h = k.split("/")
-            by_chunk.setdefault(h, {})[layer] = s
-        for layers in by_chunk.values():
-            a, b = layers["L0"], layers["L1"]
-            tmp = bytes(view[a.offset:a.offset + a.size])
-            view[a.offset:a.offset + a.size] = view[b.offset:b.offset + b.size]
-            view[b.offset:b.offset + b.size] = tmp
+            lo, hi = map(int, k.split("/")[-2][1:].split("-"))
+            part = s.size // (hi - lo + 1)
+            a, b = s.offset, s.offset + part
+            tmp = bytes(view[a:a + part])
+            view[a:a + part] = view[b:b + part]
+            view[b:b + part] = tmp
     else:
         raise SystemExit(f"unknown op {op}")
     client.release(keys)

@@ -25,7 +25,7 @@ from tests.e2e.models import build_hybrid
 
 pytestmark = pytest.mark.e2e
 TAMPER = f"{sys.executable} {os.path.join(REPO, 'tests', 'e2e', 'pool_tamper.py')}"
-STATE_LAYERS = "L0,L2"
+STATE_LAYERS = "L0-2"  # the chunk objects of the state layers' group (ids 0 and 2)
 ENGINE = dict(dtype="bfloat16", prefix_caching=True, block_size=None, stubs=True)
 # Pool hits of hybrid_prompts(): 2 blocks (the state after block 2 exists: vLLM's aligned
 # prefill split ends a step there), the same for the prompt sharing them, 1 block.
@@ -58,9 +58,10 @@ def test_saver_computes_everything_and_publishes_state(filled):
     # An empty pool: only vLLM's own device cache hits (prompt 1 reuses prompt 0's blocks).
     assert filled.saver["worker"].get("loaded_objects", 0) == 0
     assert_same_outputs(filled.saver["rounds"][0], filled.baseline)
-    # 2 attention layers x 3 full prompt chunks, and 2 GDN layers' state at the 2 chunk
-    # boundaries where a prefill step ended (after 256 tokens of prompt 0, 128 of prompt 2).
-    assert filled.saver["worker"]["saved_objects"] == 2 * 3 + 2 * 2
+    # One chunk object (both attention layers) per full prompt chunk (3), and one (both GDN
+    # layers' state) at each of the 2 chunk boundaries where a prefill step ended (after
+    # 256 tokens of prompt 0, 128 of prompt 2).
+    assert filled.saver["worker"]["saved_objects"] == 3 + 2
 
 
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])

@@ -121,12 +121,18 @@ def test_a_flipped_byte_fails_only_its_object(device):
     path.close()
 
 
-def test_adjacent_slots_are_read_in_one_run():
-    from ascend_store.device_path import _spans
+def test_equally_spaced_parts_move_as_one_2d_copy_each_run():
+    """A layer's parts of chunk objects saved side by side are one 2D DMA; a size or a
+    distance that changes starts another run, and every run has one pitch."""
+    import numpy as np
 
-    spans, staged = _spans([1024, 0, 9000, 520, 20000], [500, 500, 500, 500, 500])
-    assert spans == [(0, 1524), (9000, 9500), (20000, 20500)]
-    assert staged == [1024, 0, 1524, 520, 2024]
+    from ascend_store.device_path import _runs
+
+    offs = np.array([1000, 5000, 9000, 13000, 20000, 20512, 21024, 30000], dtype=np.int64)
+    sizes = np.array([512] * 7 + [256], dtype=np.int64)
+    assert _runs(offs, sizes) == [(0, 4, 4000), (4, 3, 512), (7, 1, 256)]
+    assert _runs(offs[:1], sizes[:1]) == [(0, 1, 512)]
+    assert _runs(np.array([0, 100], dtype=np.int64), np.array([512, 512], dtype=np.int64)) == [(0, 1, 512), (1, 1, 512)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ascend_store.keys import (
+    partial_hashes,
     KEY_RE,
     KeySpace,
     ModelIdentity,
@@ -150,10 +151,24 @@ def test_layer_index():
 
 def test_keyspace_key_format_and_validity():
     ns = _identity().namespace()
-    key = KeySpace(ns, tp_rank=1, tp_size=2).key(0, 7, GOLDEN_0_64_32[0])
-    assert key == f"{ns}/g0/tp1of2/L7/{GOLDEN_0_64_32[0]}"
+    key = KeySpace(ns, tp_rank=1, tp_size=2).key(0, (0, 27), GOLDEN_0_64_32[0])
+    assert key == f"{ns}/g0/tp1of2/L0-27/{GOLDEN_0_64_32[0]}"
     assert KEY_RE.fullmatch(key)
-    assert KeySpace(ns, 0, 2).key(0, 7, GOLDEN_0_64_32[0]) != key
+    assert KeySpace(ns, 0, 2).key(0, (0, 27), GOLDEN_0_64_32[0]) != key
+    assert KeySpace(ns, 1, 2).key(0, (14, 27), GOLDEN_0_64_32[0]) != key  # another pipeline stage
+
+
+def test_partial_hashes_chain_and_differ_from_full_chunks():
+    tokens = list(range(100, 164))
+    full = chunk_hashes(tokens, 32)
+    tails = partial_hashes(tokens, 32, 8, full[0], 32)
+    assert len(tails) == 3  # 1, 2 and 3 blocks of the second chunk (4 blocks is the full chunk)
+    assert full[1] not in tails and len(set(tails)) == 3
+    assert partial_hashes(tokens[:48], 32, 8, full[0], 32) == tails[:2]  # a shorter prompt: its whole blocks
+    assert partial_hashes(tokens, 32, 8, None, 32) != tails  # chained to the chunk before
+    other = tokens[:40] + [0] * 24
+    assert partial_hashes(other, 32, 8, full[0], 32)[0] == tails[0]
+    assert partial_hashes(other, 32, 8, full[0], 32)[1] != tails[1]
 
 
 def _kv_cache_config(*groups):

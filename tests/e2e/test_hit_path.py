@@ -1,0 +1,71 @@
+"""Issue 18's engine claims (real vLLM, CPU): the default 256-token chunk objects with
+vLLM's prefix caching on, a device-cache hit that ends inside an object, and a prompt's
+tail stored as a shorter object so at most one block is recomputed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.e2e.conftest import HYBRID_BLOCK, Pool, assert_same_outputs, hybrid_prompts, kv_config, run_engine
+from tests.e2e.models import build_hybrid
+
+pytestmark = pytest.mark.e2e
+BLOCK16 = dict(block_size=16, prefix_caching=True)
+
+
+def _kv(pool, **extra):
+    return kv_config(pool.socket, chunk_size=256, local={"start": "never"}, **extra)  # the default
+
+
+def test_tail_of_a_1502_token_prompt_comes_from_the_pool(tmp_path, model, pool):
+    """1,502 tokens, block 16: 5 chunks of 256 and a 13-block tail object, so a fresh
+    engine gets 1,488 tokens from the pool (93 whole blocks) and recomputes 14."""
+    rng = random.Random(1502)
+    prompt = [[rng.randrange(2, 500) for _ in range(1502)]]
+    baseline = run_engine(tmp_path, model, [prompt], **BLOCK16)["rounds"][0]
+    a = run_engine(tmp_path, model, [prompt], _kv(pool), **BLOCK16)
+    assert a["worker"]["saved_objects"] == 5 + 1
+    assert_same_outputs(a["rounds"][0], baseline)
+    b = run_engine(tmp_path, model, [prompt], _kv(pool), **BLOCK16)
+    assert b["rounds"][0][0]["num_cached_tokens"] == 1488
+    assert b["worker"]["failed_blocks"] == 0
+    assert_same_outputs(b["rounds"][0], baseline)
+
+
+@pytest.mark.parametrize("copy_path", ["per_block", "batched"])
+def test_device_hit_ending_inside_an_object(tmp_path, model, pool, copy_path):
+    """Round 1 computes a 3-block prefix; round 2's prompt extends it: vLLM's device
+    cache serves 3 blocks, the pool the rest of the first chunk object from page 3 on and
+    the chunks after it (saved by another engine)."""
+    rng = random.Random(7)
+    long = [rng.randrange(2, 500) for _ in range(700)]
+    rounds = [[long[:50]], [long]]
+    baseline = run_engine(tmp_path, model, rounds, **BLOCK16)["rounds"]
+    run_engine(tmp_path, model, [[long]], _kv(pool, copy_path=copy_path), **BLOCK16)  # saves 2 chunks + tail
+    r = run_engine(tmp_path, model, rounds, _kv(pool, copy_path=copy_path), **BLOCK16)
+    assert r["copy_path"] == copy_path
+    # 43 whole blocks: 3 from the device cache, 40 from the pool (2 chunks, an 11-block tail)
+    assert r["rounds"][1][0]["num_cached_tokens"] == 688
+    assert r["per_round"][1]["scheduler"]["hit_tokens"] == 688 - 48
+    assert r["worker"]["failed_blocks"] == 0
+    for got, want in zip(r["rounds"], baseline):
+        assert_same_outputs(got, want)
+
+
+def test_hybrid_default_chunk_size(tmp_path):
+    """Qwen3-Next with two 128-token blocks per chunk object (attention and state groups
+    alike), prefix caching on: a fresh engine hits the first chunk of prompts 0 and 1."""
+    model = build_hybrid("qwen3_next")
+    engine = dict(dtype="bfloat16", prefix_caching=True, block_size=None, stubs=True)
+    baseline = run_engine(tmp_path, model, [hybrid_prompts()], **engine)["rounds"][0]
+    pool = Pool(str(tmp_path / "pool" / "pool.sock")).start()
+    try:
+        run_engine(tmp_path, model, [hybrid_prompts()], _kv(pool), **engine)
+        r = run_engine(tmp_path, model, [hybrid_prompts()], _kv(pool), **engine)
+    finally:
+        pool.stop()
+    assert [o["num_cached_tokens"] for o in r["rounds"][0]] == [2 * HYBRID_BLOCK, 2 * HYBRID_BLOCK, 0]
+    assert r["worker"]["failed_blocks"] == 0
+    assert_same_outputs(r["rounds"][0], baseline)
