@@ -41,6 +41,7 @@ from ascend_store.segments import (
     LayerCopy,
     StepPages,
     fold_sums,
+    host_array,
     object_sums,
     object_sums_many,
     page_plan,
@@ -94,7 +95,7 @@ class QueuedSave:
 
 def _folded(sums: torch.Tensor, copy: LayerCopy | None, n: int) -> list[int]:
     """Per-object checksums from a copy's per-segment sums, or from per-object sums."""
-    return object_sums(copy, sums.numpy(), n) if copy is not None else fold_sums(sums.numpy())
+    return object_sums(copy, host_array(sums), n) if copy is not None else fold_sums(host_array(sums))
 
 
 class DevicePath:
@@ -175,7 +176,7 @@ class DevicePath:
                 alike.setdefault(id(q.copy.obj_of_seg), []).append(i)
         for idx in alike.values():
             first = qs[idx[0]]
-            sums = np.stack([qs[i].sums.numpy() for i in idx])
+            sums = host_array(torch.stack([qs[i].sums for i in idx]))  # one copy back for the step
             got = object_sums_many(first.copy, sums, len(first.objs.offsets))
             stored = np.stack([np.asarray(qs[i].objs.stored, dtype=np.int64) for i in idx])
             for row, i in enumerate(idx):
@@ -244,14 +245,7 @@ class DevicePath:
             sums[torch.from_numpy(idx).to(self.dev.device)] = word_sums(rows)
             q, ks, vs = codec.split_rows(layout, rows, n)
             view[block] = dequantize(q[obj, page], ks[obj, page], vs[obj, page]).to(view.dtype)
-        return None, self._to_host(sums)
-
-    def _to_host(self, sums: torch.Tensor) -> torch.Tensor:
-        if not self.dev.is_accelerator:
-            return sums
-        host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-        host.copy_(sums, non_blocking=True)
-        return host
+        return None, sums
 
     # -- saves --------------------------------------------------------------------
     def save_layer(self, arena: torch.Tensor, objs: LayerObjects, after) -> QueuedSave:
@@ -299,7 +293,7 @@ class DevicePath:
             for off, row in zip(offsets[idx].tolist(), rows):
                 arena[off + HEADER_BYTES:off + HEADER_BYTES + row.numel()].copy_(row, non_blocking=True)
             keep.append(rows)
-        return QueuedSave(objs, self.dev.record(self.save_stream), self._to_host(sums), None, keep)
+        return QueuedSave(objs, self.dev.record(self.save_stream), sums, None, keep)
 
     def finish_saves(self, qs: list[QueuedSave]) -> list[np.ndarray]:
         """``finish_save`` for a step's layers at once (one numpy pass per shared plan)."""
@@ -315,7 +309,7 @@ class DevicePath:
                 alike.setdefault(id(q.copy.obj_of_seg), []).append(i)
         for idx in alike.values():
             first = qs[idx[0]]
-            got = object_sums_many(first.copy, np.stack([qs[i].sums.numpy() for i in idx]),
+            got = object_sums_many(first.copy, host_array(torch.stack([qs[i].sums for i in idx])),
                                    len(first.objs.offsets))
             for row, i in enumerate(idx):
                 out[i] = got[row]

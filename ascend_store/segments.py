@@ -125,6 +125,7 @@ class LayerCopy:
     seg_words: int
     obj_of_seg: np.ndarray  # which object each segment belongs to
     payload_word: np.ndarray  # each segment's word offset within its object's payload
+    device_offsets: object = None  # (src, dst) on the device, once uploaded (run_copy)
 
 
 @dataclass
@@ -167,6 +168,7 @@ class CopyPlanner:
     def __init__(self, pages: StepPages):
         self.pages = pages
         self._cache: dict[PagePlan, tuple] = {}
+        self._copies: dict[tuple, LayerCopy] = {}
 
     def _cache_side(self, plan: PagePlan):
         got = self._cache.get(plan)
@@ -184,10 +186,15 @@ class CopyPlanner:
 
     def layer(self, plan: PagePlan, payload_offsets: np.ndarray, load: bool) -> LayerCopy:
         """``payload_offsets``: byte offset of each object's payload for this layer."""
-        payload, cache, obj_of_seg, seg_words = self._cache_side(plan)
-        arena = (np.asarray(payload_offsets, dtype=np.int64) // WORD)[obj_of_seg] + payload
-        src, dst = (arena, cache) if load else (cache, arena)
-        return LayerCopy(src, dst, seg_words, obj_of_seg, payload)
+        offs = np.asarray(payload_offsets, dtype=np.int64)
+        key = (plan, load, offs.tobytes())
+        got = self._copies.get(key)  # staged layers share one (uploaded) copy plan
+        if got is None:
+            payload, cache, obj_of_seg, seg_words = self._cache_side(plan)
+            arena = (offs // WORD)[obj_of_seg] + payload
+            src, dst = (arena, cache) if load else (cache, arena)
+            got = self._copies[key] = LayerCopy(src, dst, seg_words, obj_of_seg, payload)
+        return got
 
 
 def plan_objects(plan: PagePlan, objects: list[tuple[int, list[int], int]], load: bool,
@@ -230,22 +237,27 @@ def object_sums_many(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> n
 
 def run_copy(copy: LayerCopy, src, dst, device: torch.device) -> torch.Tensor:
     """Queue the copy on the current stream (Triton on CUDA, torch ops elsewhere); returns
-    the per-segment [n, 2] int64 sums in host memory, valid once the queued work is done
-    (on CUDA they come back on the same stream, so the host never blocks here)."""
+    the per-segment [n, 2] int64 sums, on the copy's device, valid once the queued work is
+    done (read them with ``host_array`` then: the host never blocks here). The segment
+    offsets go to the device once per plan: the layers of a step share it."""
     n = len(copy.src)
     if device.type != "cuda":
         sums = torch.empty((n, 2), dtype=torch.int64)  # every row is written
         kernels.copy_segments_sum_torch(src, dst, copy.src, copy.dst, sums, copy.seg_words)
         return sums
-    host = torch.empty((n, 2), dtype=torch.int64, pin_memory=True)
-    if n == 0:
-        host.zero_()
-        return host
-    # Pinned staging for the offsets too: a copy from pageable memory may block the host.
-    offs = torch.empty((2, n), dtype=torch.int64, pin_memory=True)
-    offs.numpy()[0], offs.numpy()[1] = copy.src, copy.dst
-    offs = offs.to(device, non_blocking=True)
     sums = torch.zeros((n, 2), dtype=torch.int64, device=device)
+    if n == 0:
+        return sums
+    if copy.device_offsets is None:
+        # Pinned staging: a copy from pageable memory may block the host.
+        offs = torch.empty((2, n), dtype=torch.int64, pin_memory=True)
+        offs.numpy()[0], offs.numpy()[1] = copy.src, copy.dst
+        copy.device_offsets = offs.to(device, non_blocking=True)
+    offs = copy.device_offsets
     kernels.copy_segments_sum(src, dst, offs[0], offs[1], sums, copy.seg_words)
-    host.copy_(sums, non_blocking=True)
-    return host
+    return sums
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A finished copy's sums (or any tensor) as a numpy array in host memory."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
