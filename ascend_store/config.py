@@ -218,13 +218,17 @@ class StoreConfig:
     # memory, device_path.py), "per_block" (a copy per block page), "auto" (batched on an
     # accelerator, per block on CPU).
     copy_path: str = "auto"
+    # Layerwise on the batched path: layer copies queued ahead of the forward (the first
+    # ones at the step's start, each later one when the forward reaches the layer this
+    # many before it); 0 queues every layer at the step's start.
+    load_window: int = 4
     local: LocalPoolConfig = field(default_factory=LocalPoolConfig)
     mooncake: StoreServiceConfig = field(default_factory=StoreServiceConfig)
     memcache: StoreServiceConfig = field(default_factory=StoreServiceConfig)
     lookup_cache: LookupCacheConfig = field(default_factory=LookupCacheConfig)
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
-            "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "local",
+            "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window", "local",
             "mooncake", "memcache",
             "lookup_cache")
 
@@ -249,6 +253,7 @@ class StoreConfig:
             defer_save_drain=r.take("defer_save_drain", True, bool),
             defer_state_copy=r.take("defer_state_copy", True, bool),
             copy_path=r.choice("copy_path", "auto", ("auto", "batched", "per_block")),
+            load_window=r.take("load_window", 4, int),
             local=LocalPoolConfig.parse(r.raw.pop("local", None)),
             mooncake=StoreServiceConfig.parse("mooncake", r.raw.pop("mooncake", None),
                                               os.environ.get("MOONCAKE_CONFIG_PATH")
@@ -257,6 +262,8 @@ class StoreConfig:
             lookup_cache=LookupCacheConfig.parse(r.raw.pop("lookup_cache", None)),
         )
         r.finish(cls.KEYS)
+        if cfg.load_window < 0:
+            raise ConfigError(f"load_window: must be >= 0 (0 = every layer at once), got {cfg.load_window}")
         if cfg.copy_path == "batched" and cfg.codec == "zstd":
             raise ConfigError("copy_path: 'batched' moves fixed-size objects; codec 'zstd' needs 'per_block' "
                               "or 'auto'")

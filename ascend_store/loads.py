@@ -40,7 +40,6 @@ from ascend_store.transfer import (
 from ascend_store.worker_context import GroupStep, WorkerContext
 
 log = logging.getLogger("ascend_store")
-WINDOW = 4  # layerwise on accelerators: layer copies queued ahead of the forward
 
 
 @dataclass
@@ -99,7 +98,7 @@ class Loader:
         if ev is not None and not ev.wait(self.ctx.cfg.load_timeout_s):
             self._abandon(job, f"layer {layer_name} not loaded within {self.ctx.cfg.load_timeout_s}s")
         if self.ctx.device_path is not None:  # the compute stream waits; the host does not
-            self._queue_upto(job, job.position.get(layer_name, -1) + 1 + WINDOW)
+            self._queue_upto(job, job.position.get(layer_name, -1) + 1 + self._window())
             self.ctx.device_path.dev.wait(job.device_events.get(layer_name))
 
     def finish(self, job: LoadJob) -> None:
@@ -284,14 +283,17 @@ class Loader:
             job.todo.sort(key=lambda t: rank[t[0].name])
             job.position = {objs.name: k for k, (objs, _) in enumerate(job.todo)}
             # Layerwise: the first layers now, each later one as the forward reaches the
-            # layer WINDOW before it (``wait``), so their host work overlaps the forward.
-            self._queue_upto(job, WINDOW if ctx.cfg.use_layerwise else len(job.todo))
+            # layer ``load_window`` before it (``wait``), so their host work overlaps the forward.
+            self._queue_upto(job, self._window() if ctx.cfg.use_layerwise else len(job.todo))
         except Exception as exc:
             self._load_failed(job, exc)
         finally:
             for ev in job.events.values():
                 ev.set()
             ctx.counters["load_seconds"] += time.perf_counter() - t0
+
+    def _window(self) -> int:
+        return self.ctx.cfg.load_window or len(self.ctx.order)
 
     def _queue_upto(self, job: LoadJob, stop: int) -> None:
         """Queue the copies of ``job.todo[next:stop]`` on the load stream."""

@@ -50,6 +50,8 @@ CONFIGS = {
                         "LMCACHE_MAX_LOCAL_CPU_SIZE": "20", "PYTHONHASHSEED": "0"}},
     "ascend-layerwise-raw": {"engine": {"enable_prefix_caching": True}, "reset": True,
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True}}},
+    "ascend-layerwise-raw-w0": {"engine": {"enable_prefix_caching": True}, "reset": True,
+        "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True, "load_window": 0}}},
     "ascend-whole-raw": {"engine": {"enable_prefix_caching": True}, "reset": True,
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": False}}},
     "ascend-layerwise-int8": {"engine": {"enable_prefix_caching": True}, "reset": True,
