@@ -220,8 +220,9 @@ class StoreConfig:
     copy_path: str = "auto"
     # Layerwise on the batched path: layer copies queued ahead of the forward (the first
     # ones at the step's start, each later one when the forward reaches the layer this
-    # many before it); 0 queues every layer at the step's start.
-    load_window: int = 4
+    # many before it); 0 queues every layer at the step's start, which measured best on
+    # the H200 in 5 of 6 cases (docs/benchmarks.md).
+    load_window: int = 0
     local: LocalPoolConfig = field(default_factory=LocalPoolConfig)
     mooncake: StoreServiceConfig = field(default_factory=StoreServiceConfig)
     memcache: StoreServiceConfig = field(default_factory=StoreServiceConfig)
@@ -253,7 +254,7 @@ class StoreConfig:
             defer_save_drain=r.take("defer_save_drain", True, bool),
             defer_state_copy=r.take("defer_state_copy", True, bool),
             copy_path=r.choice("copy_path", "auto", ("auto", "batched", "per_block")),
-            load_window=r.take("load_window", 4, int),
+            load_window=r.take("load_window", 0, int),
             local=LocalPoolConfig.parse(r.raw.pop("local", None)),
             mooncake=StoreServiceConfig.parse("mooncake", r.raw.pop("mooncake", None),
                                               os.environ.get("MOONCAKE_CONFIG_PATH")
