@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from ascend_store.config import ConfigError, LocalPoolConfig, default_socket_path, parse_size
@@ -238,6 +239,9 @@ def _bench(args) -> int:
     if not args.url.startswith(("http://", "https://")):
         raise UserError(f"ascend-store bench: --url must start with http:// or https://, got {args.url!r}",
                         EXIT_USAGE)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise UserError(f"ascend-store bench: {flag} {path}: its directory does not exist", EXIT_USAGE)
     if args.plot and (why := report.check_plot_support()):
         raise UserError(f"ascend-store bench: {why}")
     shape = Shape(**{k: getattr(args, k) for k in Shape.__dataclass_fields__})

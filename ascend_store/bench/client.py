@@ -37,6 +37,17 @@ class Sample:
     latency_ms: float
 
 
+def _detail(exc: urllib.error.HTTPError) -> str:
+    """The server's error message on one line (OpenAI servers send {"error": {"message"}})."""
+    body = exc.read().decode(errors="replace")
+    try:
+        err = json.loads(body).get("error", {})
+        body = err.get("message", body) if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        pass
+    return " ".join(body.split())[:300] or str(exc.reason)
+
+
 class Server:
     def __init__(self, url: str, timeout_s: float = 300.0):
         self.base = url.rstrip("/")
@@ -50,8 +61,7 @@ class Server:
         try:
             return urllib.request.urlopen(req, timeout=self.timeout_s)
         except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:300].strip()
-            raise BenchError(f"{self.base}{path} answered HTTP {exc.code}: {detail or exc.reason}") from None
+            raise BenchError(f"{self.base}{path} answered HTTP {exc.code}: {_detail(exc)}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
             raise BenchError(f"cannot reach an OpenAI server at {self.base} ({reason}). Start one, e.g. "
