@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict
 
@@ -12,8 +13,9 @@ PLOT_EXTRA = "pip install 'ascend-store[bench]'"
 
 
 def _pct(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile: the smallest value with at least q of the values at or below."""
     xs = sorted(xs)
-    return xs[int(q * (len(xs) - 1))]
+    return xs[max(0, math.ceil(q * len(xs)) - 1)]
 
 
 def _row(name: str, sel: list[Sample]) -> dict:
@@ -90,9 +92,11 @@ def plot(samples: list[Sample], rows: list[dict], title: str, path: str) -> None
                              label=f"{phase} ({'pool hit' if hit else 'miss'})")
     left.set_xlabel("request")
     left.set_ylabel("TTFT (ms)")
+    left.set_ylim(bottom=0)
     left.legend(fontsize="small")
     bars = [r for r in rows if r["name"] != "all"]
-    right.bar([r["name"] for r in bars], [r["ttft_p50_ms"] for r in bars], color="tab:blue")
+    right.bar([r["name"] for r in bars], [r["ttft_p50_ms"] for r in bars],
+              color=[{"pool hit": "tab:green", "miss": "tab:red"}.get(r["name"], "tab:blue") for r in bars])
     right.set_ylabel("median TTFT (ms)")
     right.tick_params(axis="x", labelrotation=30)
     fig.suptitle(title)
