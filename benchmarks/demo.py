@@ -1,8 +1,10 @@
-"""The README's demo: real vLLM (CPU) with AscendStoreConnector on the embedded pool.
+"""The README's demo: real vLLM (CPU) with AscendStoreConnector on a standalone local pool.
 
-A standalone local pool runs for the demo. Engine A serves a shared-prefix workload
-(4 documents x 3 questions) into an empty pool; engine B, a fresh process, serves it
-again. vLLM's own prefix cache is off, so every reused token comes from the pool.
+The demo starts one standalone pool (``ascend-store pool serve``, as in production; an
+engine's embedded pool would stop with that engine). Engine A serves a shared-prefix
+workload (4 documents x 3 questions) into the empty pool; engine B, a fresh process,
+serves it again from the same pool. When anything fails the pool's log is shown too.
+vLLM's own prefix cache is off, so every reused token comes from the pool.
 Each request runs alone with max_tokens=1, so its wall time is its TTFT.
 
     python benchmarks/demo.py [--docs 4] [--questions 3] [--doc-tokens 1024]
@@ -21,7 +23,7 @@ import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, REPO)
-from ascend_store.bench import shared_prefix_workload  # noqa: E402
+from ascend_store.bench.workloads import Shape, shared_prefix  # noqa: E402
 
 for k, v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0",
              "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}.items():
@@ -54,13 +56,15 @@ def serve(model: str, socket: str, prompts: list[list[int]]) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--docs", type=int, default=4)
-    ap.add_argument("--questions", type=int, default=3)
-    ap.add_argument("--doc-tokens", type=int, default=1024)
+    ap = argparse.ArgumentParser(description="TTFT with and without pool hits, two engines, one pool.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--docs", type=int, default=4, help="documents")
+    ap.add_argument("--questions", type=int, default=3, help="questions per document")
+    ap.add_argument("--doc-tokens", type=int, default=1024, help="tokens per document")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    prompts = shared_prefix_workload(args.docs, args.questions, args.doc_tokens)
+    shape = Shape(docs=args.docs, questions=args.questions, doc_tokens=args.doc_tokens, question_tokens=48)
+    prompts = [r.prompt for r in shared_prefix(shape).requests()]
     if args.phase:
         model, socket = args.phase.split(",")
         print("ROWS " + json.dumps(serve(model, socket, prompts)), flush=True)
@@ -70,11 +74,22 @@ def main() -> None:
     from tests.e2e.models import build_llama
 
     model = build_llama("llama-demo", layers=8, hidden=512, heads=8, kv_heads=4)
-    socket = os.path.join(tempfile.mkdtemp(prefix="ascend-store-demo-"), "pool.sock")
-    pool = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", socket,
-                             "--capacity", "2GiB"], stderr=subprocess.DEVNULL)
+    workdir = tempfile.mkdtemp(prefix="ascend-store-demo-")
+    socket, pool_log = os.path.join(workdir, "pool.sock"), os.path.join(workdir, "pool.log")
+    print(f"starting a standalone pool at {socket} (log: {pool_log}) ...", flush=True)
+    with open(pool_log, "wb") as log_file:
+        pool = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket",
+                                 socket, "--capacity", "2GiB"], stderr=log_file)
+
+    def fail(what: str) -> None:
+        with open(pool_log) as f:
+            sys.exit(f"{what}\n--- pool log ({pool_log}) ---\n{f.read()[-4000:]}")
+
     try:
+        deadline = time.monotonic() + 30
         while not ping(socket):
+            if pool.poll() is not None or time.monotonic() > deadline:
+                fail("the pool did not start")
             time.sleep(0.1)
         phases = {}
         for name in ("engine A (empty pool)", "engine B (fresh process)"):
@@ -84,7 +99,7 @@ def main() -> None:
                                    "--phase", f"{model},{socket}"], capture_output=True, text=True)
             line = [x for x in proc.stdout.splitlines() if x.startswith("ROWS ")]
             if proc.returncode or not line:
-                sys.exit(f"{name} failed:\n{proc.stderr[-4000:]}")
+                fail(f"{name} failed:\n{proc.stderr[-4000:]}")
             phases[name] = json.loads(line[0][5:])
     finally:
         pool.terminate()
