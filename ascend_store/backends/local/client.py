@@ -12,7 +12,6 @@ Each reply says which objects the pool deleted since the last one (``generation(
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 import time

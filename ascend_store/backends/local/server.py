@@ -151,7 +151,8 @@ class PoolServer:
         if op == "remove":
             return {"status": [int(s) for s in ix.remove(keys)]}
         if op == "stats":
-            return {"stats": {**ix.stats(), "gone": ix.gone, "requests": self.requests, "rejected": self.rejected,
+            return {"stats": {**ix.stats(), "gone": ix.gone, "requests": self.requests,
+                              "rejected": self.rejected,
                               "key_queries": self.key_queries, "repeated_keys": self.repeated_keys,
                               "rss_bytes": _rss_bytes(), "pid": os.getpid(), "epoch": self.epoch}}
         if op == "list":

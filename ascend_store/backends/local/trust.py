@@ -49,8 +49,9 @@ def check_dir(directory: str, uids: frozenset[int]) -> None:
     parent = os.path.dirname(directory.rstrip("/")) or "/"
     pst = os.stat(parent)
     if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
-        raise UntrustedPool(f"refusing the local pool: {parent}, the parent of its socket directory, is "
-                            f"writable by others without the sticky bit (mode {stat.S_IMODE(pst.st_mode):04o})")
+        raise UntrustedPool(f"refusing the local pool: {parent}, the parent of its socket directory, "
+                            f"is writable by others without the sticky bit "
+                            f"(mode {stat.S_IMODE(pst.st_mode):04o})")
 
 
 def check_socket(socket_path: str, uids: frozenset[int]) -> None:
@@ -72,7 +73,8 @@ def map_arena(path, capacity, uids: frozenset[int]) -> mmap.mmap:
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
-        raise UntrustedPool(f"refusing the local pool: cannot open its arena {path}: {exc.strerror}") from None
+        raise UntrustedPool(f"refusing the local pool: cannot open its arena {path}: "
+                            f"{exc.strerror}") from None
     try:
         st = os.fstat(fd)
         _check(path, st, "arena", uids, stat.S_ISREG, "regular file")
