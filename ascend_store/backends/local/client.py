@@ -73,11 +73,11 @@ class LocalBackend(Backend):
                     log.warning("pool at %s restarted (epoch %s -> %s)", self.cfg.socket,
                                 self._epoch, reply["epoch"])
                 self._epoch = reply["epoch"]
-                if self._map_arena and op != "hello":
-                    try:
-                        self._remap(self._roundtrip("hello", {}))
+                if op != "hello":
+                    try:  # a scheduler's client only checks the arena: lookups must not trust it either
+                        self._remap(self._roundtrip("hello", {}), self._map_arena)
                     except BackendUnavailable:
-                        self._epoch = None  # map again on the next call, never hand out slots unmapped
+                        self._epoch = None  # check again on the next call, never hand out slots unchecked
                         raise
             return reply
 
@@ -123,10 +123,11 @@ class LocalBackend(Backend):
         # Otherwise (first reply, new epoch, a pool that forgot): no digests, caches drop all hits.
         self._generation = Generation(reply["epoch"], gone, recent)
 
-    def _remap(self, hello: dict) -> None:
-        mm = trust.map_arena(hello.get("arena"), hello.get("capacity"), self._uids)
-        self._view = memoryview(mm)
-        self._mapped_epoch = hello["epoch"]
+    def _remap(self, hello: dict, map_it: bool = True) -> None:
+        mm = trust.check_arena(hello.get("arena"), hello.get("capacity"), self._uids, map_it)
+        if mm is not None:
+            self._view = memoryview(mm)
+            self._mapped_epoch = hello["epoch"]
 
     # -- Backend --------------------------------------------------------------
     def generation(self) -> Generation | None:
@@ -136,7 +137,11 @@ class LocalBackend(Backend):
         if self._view is None or self._mapped_epoch != self._epoch:
             hello = self._call("hello")
             with self._lock:
-                self._remap(hello)
+                try:
+                    self._remap(hello)
+                except BackendUnavailable:
+                    self._epoch = None
+                    raise
         return self._mapped_epoch, self._view
 
     def exists(self, keys):

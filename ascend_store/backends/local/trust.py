@@ -64,9 +64,9 @@ def check_socket(socket_path: str, uids: frozenset[int]) -> None:
     _check(socket_path, st, "socket", uids, stat.S_ISSOCK, "socket")
 
 
-def map_arena(path, capacity, uids: frozenset[int]) -> mmap.mmap:
-    """Map the arena a pool named, after checking it is an arena of a trusted user that
-    really holds ``capacity`` bytes, all backed (a sparse arena could SIGBUS on write)."""
+def check_arena(path, capacity, uids: frozenset[int], map_it: bool = True) -> mmap.mmap | None:
+    """Check that the arena a pool named is an arena of a trusted user that really holds
+    ``capacity`` bytes, all backed (a sparse arena could SIGBUS on write); map it if asked."""
     if not isinstance(path, str) or not is_arena(path) \
             or not isinstance(capacity, int) or capacity <= 0:
         raise UntrustedPool(f"refusing the local pool: it named {path!r} ({capacity!r} bytes) as its arena")
@@ -84,7 +84,7 @@ def map_arena(path, capacity, uids: frozenset[int]) -> mmap.mmap:
         if st.st_blocks * 512 < capacity:
             raise UntrustedPool(f"refusing the local pool: its arena {path} is not backed "
                                 f"({st.st_blocks * 512} of {capacity} bytes allocated)")
-        return mmap.mmap(fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if map_it else None
     finally:
         os.close(fd)
 
