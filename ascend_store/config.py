@@ -44,6 +44,10 @@ def parse_size(value: Any, key: str, allow_zero: bool = False) -> int:
 
 
 def default_socket_path() -> str:
+    """``$XDG_RUNTIME_DIR/ascend-store-<uid>/pool.sock``, else the same under the temp dir
+    (/tmp): a per-uid directory made 0700, which the client refuses when another user
+    created it first (backends/local/trust.py), so a squatter can deny the pool, never
+    serve it."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return os.path.join(base, f"ascend-store-{os.getuid()}", "pool.sock")
 
@@ -112,8 +116,11 @@ class LocalPoolConfig:
     # "never": require a standalone pool (requests recompute while it is down).
     start: str = "auto"
     lease_ttl_s: float = 30.0
+    # A uid besides our own that may own the pool's socket, directory and arena (a
+    # standalone pool run by a service account); None: only our own.
+    trusted_uid: int | None = None
 
-    KEYS = ("socket", "capacity", "start", "lease_ttl_s")
+    KEYS = ("socket", "capacity", "start", "lease_ttl_s", "trusted_uid")
 
     @classmethod
     def parse(cls, raw: Any) -> "LocalPoolConfig":
@@ -124,7 +131,10 @@ class LocalPoolConfig:
             capacity = parse_size(r.raw.pop("capacity"), "local.capacity")
         cfg = cls(socket=os.path.abspath(socket), capacity=capacity,
                   start=r.choice("start", "auto", ("auto", "never")),
-                  lease_ttl_s=r.positive("lease_ttl_s", 30.0))
+                  lease_ttl_s=r.positive("lease_ttl_s", 30.0),
+                  trusted_uid=r.take("trusted_uid", None, int))
+        if cfg.trusted_uid is not None and cfg.trusted_uid < 0:
+            raise ConfigError(f"local.trusted_uid: must be a uid >= 0, got {cfg.trusted_uid}")
         r.finish(cls.KEYS)
         return cfg
 

@@ -14,8 +14,11 @@ come back as ``Status`` values.
 from __future__ import annotations
 
 import enum
+import hashlib
 from abc import ABC, abstractmethod
 from typing import NamedTuple
+
+import numpy as np
 
 
 class Status(enum.IntEnum):
@@ -38,6 +41,28 @@ class Slot(NamedTuple):  # a tuple: a 32K-token hit builds thousands of them per
 
 
 STATUSES = tuple(Status)  # Status by value, faster than Status(value)
+
+
+class Generation(NamedTuple):
+    """What a backend knows about its store's changes, for caches of its answers.
+
+    ``epoch`` changes when the store restarts (everything is gone). ``gone`` counts the
+    objects deleted since (evicted or removed). ``recent`` holds ``object_digest`` of the
+    last ``len(recent)`` of them, oldest first: a cache that last saw ``g`` can drop just
+    the entries of ``recent[-(gone - g):]``, and must drop every cached hit when
+    ``gone - g`` exceeds ``len(recent)`` (or ``recent`` is None: not reported)."""
+
+    epoch: str
+    gone: int = 0
+    recent: np.ndarray | None = None
+
+
+def object_digest(key: str) -> int:
+    """64-bit digest of a key's last ``/`` component (the chunk's chain hash): every layer,
+    shard and namespace of one chunk share it, so any of them going drops that chunk's
+    cached answer (a false drop costs one lookup, never a token)."""
+    name = key.rpartition("/")[2].encode()
+    return int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little")
 
 
 class Backend(ABC):
@@ -75,7 +100,7 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def generation(self) -> tuple[str, int] | None:
-        """(epoch, evictions) as of the last reply, for caches that must notice restarts
-        and evictions without asking; None when the backend cannot tell."""
+    def generation(self) -> Generation | None:
+        """The store's ``Generation`` as of the last reply, for caches that must notice
+        restarts and deleted objects without asking; None when the backend cannot tell."""
         return None

@@ -8,6 +8,12 @@ buffer: ``reserve`` hands out staging slots that ``commit`` publishes with one
 thread and is abandoned after the timeout; the slots such a call used are never reused
 (a late transfer could still touch them), and the store call is retried only after the
 circuit breaker's backoff.
+
+Generation: these stores report no deletions to a client, so ``generation()`` changes
+only its epoch, each time the client is set up again (after the service failed or
+restarted): lookup caches then drop everything. An object evicted while the service
+stays up remains a cached hit until the cache's ``ttl_s`` (docs/backends.md): its load
+fails and the chunk is recomputed.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import threading
 import numpy as np
 
 from ascend_store.backends.alloc import FreeList, aligned
-from ascend_store.backends.base import Backend, BackendUnavailable, Slot, Status
+from ascend_store.backends.base import Backend, BackendUnavailable, Generation, Slot, Status
 
 log = logging.getLogger("ascend_store")
 RPC_FAILED = -900  # Mooncake's RPC_FAIL; codes at or below it mean the service is unreachable
@@ -39,6 +45,7 @@ class StagedStoreBackend(Backend):
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ascend-store-store")
         self.store = None
         self.rpcs = 0
+        self._setups = 0  # client set-ups so far: the generation's epoch
 
     def _connect(self):
         """Create and set up the store client; raise BackendUnavailable when it cannot."""
@@ -49,7 +56,11 @@ class StagedStoreBackend(Backend):
         rc = store.register_buffer(self._addr, self._buf.nbytes)
         if rc != 0:
             raise BackendUnavailable(f"registering the staging buffer failed ({rc})")
+        self._setups += 1
         return store
+
+    def generation(self) -> Generation | None:
+        return Generation(f"{self.epoch}-{self._setups}") if self._setups else None
 
     def _call(self, name: str, *args):
         """Run one store call on the helper thread, bounded by the timeout. The store is

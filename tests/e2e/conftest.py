@@ -66,8 +66,10 @@ def kv_config(socket: str, role: str = "kv_both", **extra) -> dict:
 
 def run_engine(tmp_path, model: str, rounds, kv=None, between=None, **job) -> dict:
     """Run one engine process over ``rounds`` of prompts; ``between[i]`` is a shell command
-    run after round i (to tamper with or kill the pool)."""
+    run after round i (to tamper with or kill the pool); ``wrap``: a command prefix the
+    engine runs under (e.g. ``unshare -m ...``)."""
     stubs = job.pop("stubs", False)
+    wrap = job.pop("wrap", [])
     spec = {"model": model, "kv_config": kv, "rounds": rounds, "block_size": BLOCK,
             "between": between or [], **job}
     path = tmp_path / f"job-{time.monotonic_ns()}.json"
@@ -75,7 +77,7 @@ def run_engine(tmp_path, model: str, rounds, kv=None, between=None, **job) -> di
     # Hybrid models' engines get the torchvision stub (tests/e2e/stubs) on their path.
     paths = [REPO] + ([os.path.join(HERE, "stubs")] if stubs else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "runner.py"), str(path)], env=env,
+    proc = subprocess.run([*wrap, sys.executable, os.path.join(HERE, "runner.py"), str(path)], env=env,
                           capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:

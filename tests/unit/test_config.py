@@ -34,7 +34,8 @@ def test_values_are_read():
     cfg = StoreConfig.parse({
         "use_layerwise": False, "chunk_size": 64, "timeout_s": 2, "load_timeout_s": 1.5,
         "verify_checksum": False,
-        "local": {"socket": "rel/pool.sock", "capacity": "1GiB", "start": "never", "lease_ttl_s": 3},
+        "local": {"socket": "rel/pool.sock", "capacity": "1GiB", "start": "never", "lease_ttl_s": 3,
+                  "trusted_uid": 1000},
     })
     assert cfg.use_layerwise is False
     assert cfg.chunk_size == 64
@@ -45,6 +46,7 @@ def test_values_are_read():
     assert cfg.local.capacity == 2**30
     assert cfg.local.start == "never"
     assert cfg.local.lease_ttl_s == 3.0
+    assert cfg.local.trusted_uid == 1000 and StoreConfig.parse({}).local.trusted_uid is None
 
 
 def test_not_a_mapping():
@@ -100,6 +102,8 @@ def test_bad_backend_lists_accepted_values():
     ({"local": {"start": "sometimes"}}, "local.start"),
     ({"local": {"lease_ttl_s": 0}}, "local.lease_ttl_s"),
     ({"local": {"socket": 5}}, "local.socket"),
+    ({"local": {"trusted_uid": -1}}, "local.trusted_uid"),
+    ({"local": {"trusted_uid": "root"}}, "local.trusted_uid"),
 ])
 def test_bad_value_names_key(raw, key):
     with pytest.raises(ConfigError) as ei:

@@ -90,3 +90,81 @@ def test_writer_can_re_reserve_its_own_uncommitted_object():
     assert ix.reserve(["k"], [1000], owner="w1") == [(Status.OK, off)]
     assert ix.commit(["k"]) == [Status.OK]
     assert ix.reserve(["k"], [1000], owner="w1") == [(Status.EXISTS, 0)]
+
+
+def test_named_deletions_drop_only_their_chunks():
+    import numpy as np
+
+    from ascend_store.backends.base import Generation, object_digest
+
+    c = BlockHitCache()
+    c.observe(Generation("e", 10, np.zeros(0, "<u8")))
+    for k in ("h1", "state/h1", "h2"):
+        c.put(k, True)
+    c.put("h3", False)
+    gone = np.array([object_digest("ns/g0/tp0of1/L0/h1"), object_digest("ns/g0/tp0of1/L5/h1")], "<u8")
+    c.observe(Generation("e", 12, gone))  # two layers of chunk h1 went
+    assert [c.get(k) for k in ("h1", "state/h1", "h2", "h3")] == [None, None, True, False]
+    c.put("h1", True)
+    c.observe(Generation("e", 12, gone))  # the same generation again: nothing new went
+    assert c.get("h1") is True
+    c.observe(Generation("e", 15, gone))  # 3 went, only 2 named: any hit may be gone
+    assert [c.get(k) for k in ("h1", "h2", "h3")] == [None, None, False]
+
+
+def test_steady_eviction_keeps_hot_hits_cached_with_a_real_pool(tmp_path):
+    """A full pool evicts on every save while the scheduler keeps looking up a hot set:
+    the hot chunks' cached hits must survive (>= 90%; dropping every hit on any eviction
+    keeps none) and the evicted chunks' cached hits must go (none left stale)."""
+    from tests.unit.test_local_pool import Pool
+
+    layers, size, hot_n, rounds = 4, 64 * 2**10, 8, 40
+    pool = Pool(str(tmp_path / "pool.sock"), capacity="4MiB").start()  # 64 objects: 16 chunks
+    writer, sched = pool.client(timeout_s=5.0), pool.client(timeout_s=5.0, map_arena=False)
+    cache = BlockHitCache()
+
+    def keys(h):
+        return [f"ns/g0/tp0of1/L{i}/{h}" for i in range(layers)]
+
+    def save(h):
+        _, view = writer.buffer()
+        slots = writer.reserve(keys(h), [size] * layers)
+        assert all(s.offset >= 0 and s.status == 0 for s in slots), slots
+        assert writer.commit(keys(h)) == [0] * layers
+
+    def lookup(hashes):  # as PoolScheduler._pool_hit_chunks: cached answers first
+        cache.observe(sched.generation())
+        ask = [h for h in hashes if cache.get(h) is None]
+        if ask:
+            found = sched.exists([k for h in ask for k in keys(h)])
+            cache.observe(sched.generation())
+            for i, h in enumerate(ask):
+                cache.put(h, all(found[i * layers:(i + 1) * layers]))
+        return len(hashes) - len(ask)
+
+    try:
+        hot = [f"{i:032x}" for i in range(hot_n)]
+        for h in hot:
+            save(h)
+        lookup(hot)
+        hot_keys = [k for h in hot for k in keys(h)]
+        cold, kept, evictions = [], 0, [writer.stats()["evictions"]]
+        for r in range(rounds):
+            cold.append(f"c{r:031x}")
+            save(cold[-1])
+            evictions.append(writer.stats()["evictions"])
+            assert all(s.status == 0 for s in writer.lease(hot_keys))  # loads keep the hot set fresh
+            writer.release(hot_keys)
+            lookup([cold[-1]])  # the new chunk becomes a cached hit, evicted a few rounds later
+            kept += lookup(hot)
+        steady = [b - a for a, b in zip(evictions[10:], evictions[11:])]
+        assert steady and all(n > 0 for n in steady), evictions  # every save evicts once full
+        assert kept >= 0.9 * rounds * hot_n, (kept, cache.counters)
+        found = writer.exists([k for h in cold for k in keys(h)])
+        evicted = [h for i, h in enumerate(cold) if not all(found[i * layers:(i + 1) * layers])]
+        cache.observe(sched.generation())
+        assert len(evicted) > 20 and [h for h in evicted if cache.get(h) is True] == []
+    finally:
+        writer.close()
+        sched.close()
+        pool.stop()

@@ -327,3 +327,31 @@ def test_randomized_no_overlap_and_accounting():
     assert counts[Status.OK] > 100 and counts[Status.EXISTS] > 50 and counts[Status.NO_SPACE] > 0
     assert ix.stats()["evictions"] > 50
     assert ix.stats()["expired_reservations"] > 0
+
+
+# -- objects gone, by digest -------------------------------------------------------------
+
+def _digests(blob):
+    return [int.from_bytes(blob[i:i + 8], "little") for i in range(0, len(blob), 8)]
+
+
+def test_gone_names_evicted_and_removed_objects_in_order():
+    from ascend_store.backends.base import object_digest
+
+    ix = PoolIndex(4 * ALIGN, gone_ring=4)
+    for k in ("ns/L0/a", "ns/L0/b", "ns/L0/c"):
+        _put(ix, k, ALIGN)
+    ix.reserve(["ns/L0/w"], [ALIGN // 2])  # a reservation: its abort is no deletion
+    ix.abort(["ns/L0/w"])
+    assert ix.gone == 0 and ix.gone_since(0) == b""
+    _put(ix, "ns/L0/d", ALIGN)
+    _put(ix, "ns/L1/e", ALIGN)  # evicts a
+    assert ix.remove(["ns/L0/c"]) == [Status.OK]
+    assert ix.gone == 2
+    assert _digests(ix.gone_since(0)) == [object_digest("ns/L0/a"), object_digest("ns/L0/c")]
+    assert _digests(ix.gone_since(1)) == [object_digest("c")]  # the chunk's name is the last component
+    assert ix.gone_since(2) == b"" and ix.gone_since(3) is None  # from the future: another epoch
+    for k in ("f", "g", "h", "i"):  # 4 more go: the ring of 4 forgot the first two
+        _put(ix, f"ns/L1/{k}", 2 * ALIGN)
+    assert ix.gone >= 6
+    assert ix.gone_since(0) is None and len(_digests(ix.gone_since(ix.gone - 4))) == 4

@@ -435,14 +435,19 @@ def test_out_of_bounds_slot_from_server_is_refused(sockdir):
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(f"ipc://{path}")
+    os.chmod(path, 0o600)
+    arena = os.path.join(sockdir, "ascend-store-test.arena")  # a real, private, backed arena
+    fd = os.open(arena, os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, CAPACITY)
+    os.close(fd)
     stop = threading.Event()
 
     def serve():
         while not stop.is_set():
             if router.poll(50):
                 frames = router.recv_multipart()
-                reply = {"ok": True, "epoch": "e1", "status": [0], "offsets": [CAPACITY - 10],
-                         "sizes": [100]}
+                reply = {"ok": True, "epoch": "e1", "gone": 0, "status": [0],
+                         "offsets": [CAPACITY - 10], "sizes": [100], "arena": arena, "capacity": CAPACITY}
                 router.send_multipart(frames[:-1] + [protocol.pack(reply)])
 
     t = threading.Thread(target=serve, daemon=True)

@@ -3,14 +3,15 @@
 Every call is bounded by ``timeout_s``. A call that times out closes its socket (a late
 reply can never be mistaken for the next one) and raises ``BackendUnavailable``; the
 next call reconnects. When the pool restarts its epoch changes and the client maps the
-new arena before handing out offsets.
+new arena before handing out offsets. Before connecting and before mapping, the socket,
+its directory and the arena must pass trust.py's checks; a pool that fails them is
+refused (``UntrustedPool``) and requests recompute. Replies are decoded under bounds.
+Each reply says which objects the pool deleted since the last one (``generation()``).
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import secrets
 import threading
 import time
@@ -18,11 +19,13 @@ import time
 import numpy as np
 import zmq
 
-from ascend_store.backends.base import STATUSES, Backend, BackendUnavailable, Slot, Status
-from ascend_store.backends.local import protocol
+from ascend_store.backends.base import STATUSES, Backend, BackendUnavailable, Generation, Slot, Status
+from ascend_store.backends.local import protocol, trust
 from ascend_store.backends.local.launcher import ensure_pool
 
 log = logging.getLogger("ascend_store.pool")
+RECENT_GONE = 8192  # digests of deleted objects kept for generation()
+_NONE_GONE = np.zeros(0, dtype="<u8")
 
 
 class LocalBackend(Backend):
@@ -34,8 +37,9 @@ class LocalBackend(Backend):
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self._seq = 0
+        self._uids = trust.trusted_uids(cfg.trusted_uid)
         self._epoch: str | None = None
-        self._evictions = 0
+        self._generation: Generation | None = None
         self._mapped_epoch: str | None = None
         self._view: memoryview | None = None
         self.rpcs = 0
@@ -45,10 +49,10 @@ class LocalBackend(Backend):
     # -- transport ------------------------------------------------------------
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
-            if not os.path.exists(self.cfg.socket):
-                raise BackendUnavailable(f"no pool at {self.cfg.socket}")
+            trust.check_socket(self.cfg.socket, self._uids)
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
             s.connect(f"ipc://{self.cfg.socket}")
             self._sock = s
         return self._sock
@@ -60,15 +64,21 @@ class LocalBackend(Backend):
 
     def _call(self, op: str, **fields) -> dict:
         with self._lock:
+            if self._generation is not None:
+                fields["since"] = self._generation.gone
             reply = self._roundtrip(op, fields)
-            self._evictions = reply.get("evictions", self._evictions)
+            self._note_gone(reply)
             if reply["epoch"] != self._epoch:
                 if self._epoch is not None:
                     log.warning("pool at %s restarted (epoch %s -> %s)", self.cfg.socket,
                                 self._epoch, reply["epoch"])
                 self._epoch = reply["epoch"]
-                if self._map_arena and op != "hello":
-                    self._remap(self._roundtrip("hello", {}))
+                if op != "hello":
+                    try:  # a scheduler's client only checks the arena: lookups must not trust it either
+                        self._remap(self._roundtrip("hello", {}), self._map_arena)
+                    except BackendUnavailable:
+                        self._epoch = None  # check again on the next call, never hand out slots unchecked
+                        raise
             return reply
 
     def _roundtrip(self, op: str, fields: dict) -> dict:
@@ -84,8 +94,12 @@ class LocalBackend(Backend):
                     continue
                 frames = sock.recv_multipart()
                 if len(frames) == 2 and frames[0] == tag:
-                    reply = protocol.msgpack.unpackb(frames[1], raw=False)
-                    if not reply.get("ok"):
+                    try:
+                        reply = protocol.unpack_reply(frames[1])
+                    except protocol.ProtocolError as exc:
+                        self._drop_socket()
+                        raise BackendUnavailable(f"pool {op}: {exc}") from None
+                    if not reply["ok"]:
                         raise BackendUnavailable(f"pool rejected {op}: {reply.get('error')}")
                     return reply
         except zmq.ZMQError as exc:
@@ -94,37 +108,53 @@ class LocalBackend(Backend):
         self._drop_socket()
         raise BackendUnavailable(f"pool {op} timed out after {self.timeout_s}s")
 
-    def _remap(self, hello: dict) -> None:
-        fd = os.open(hello["arena"], os.O_RDWR)
-        try:
-            mm = mmap.mmap(fd, hello["capacity"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._view = memoryview(mm)
-        self._mapped_epoch = hello["epoch"]
+    def _note_gone(self, reply: dict) -> None:
+        """Advance the generation from a reply (one assignment: readers see it whole)."""
+        gone, digests = reply.get("gone"), reply.get("gone_keys")
+        if not isinstance(gone, int) or gone < 0:
+            raise BackendUnavailable("pool reply without a valid 'gone' count")
+        old = self._generation
+        recent = _NONE_GONE
+        if old is not None and old.epoch == reply["epoch"] and isinstance(digests, bytes) \
+                and len(digests) == 8 * (gone - old.gone):
+            recent = old.recent
+            if digests:
+                recent = np.concatenate((recent, np.frombuffer(digests, dtype="<u8")))[-RECENT_GONE:]
+        # Otherwise (first reply, new epoch, a pool that forgot): no digests, caches drop all hits.
+        self._generation = Generation(reply["epoch"], gone, recent)
+
+    def _remap(self, hello: dict, map_it: bool = True) -> None:
+        mm = trust.check_arena(hello.get("arena"), hello.get("capacity"), self._uids, map_it)
+        if mm is not None:
+            self._view = memoryview(mm)
+            self._mapped_epoch = hello["epoch"]
 
     # -- Backend --------------------------------------------------------------
-    def generation(self) -> tuple[str, int] | None:
-        return None if self._epoch is None else (self._epoch, self._evictions)
+    def generation(self) -> Generation | None:
+        return self._generation
 
     def buffer(self) -> tuple[str, memoryview]:
         if self._view is None or self._mapped_epoch != self._epoch:
             hello = self._call("hello")
             with self._lock:
-                self._remap(hello)
+                try:
+                    self._remap(hello)
+                except BackendUnavailable:
+                    self._epoch = None
+                    raise
         return self._mapped_epoch, self._view
 
     def exists(self, keys):
-        return self._call("exists", keys=keys)["found"] if keys else []
+        return _per_key(self._call("exists", keys=keys), "found", len(keys)) if keys else []
 
     def reserve(self, keys, sizes):
         if not keys:
             return []
         r = self._call("reserve", keys=keys, sizes=sizes, owner=self.owner)
-        return self._slots(r["status"], r["offsets"], sizes)
+        return self._slots(_per_key(r, "status", len(keys)), _per_key(r, "offsets", len(keys)), sizes)
 
     def commit(self, keys):
-        return [Status(s) for s in self._call("commit", keys=keys)["status"]] if keys else []
+        return _statuses(self._call("commit", keys=keys), len(keys)) if keys else []
 
     def abort(self, keys):
         if keys:
@@ -134,14 +164,15 @@ class LocalBackend(Backend):
         if not keys:
             return []
         r = self._call("lease", keys=keys)
-        return self._slots(r["status"], r["offsets"], r["sizes"])
+        n = len(keys)
+        return self._slots(_per_key(r, "status", n), _per_key(r, "offsets", n), _per_key(r, "sizes", n))
 
     def release(self, keys):
         if keys:
             self._call("release", keys=keys)
 
     def remove(self, keys):
-        return [Status(s) for s in self._call("remove", keys=keys)["status"]] if keys else []
+        return _statuses(self._call("remove", keys=keys), len(keys)) if keys else []
 
     def stats(self):
         return self._call("stats")["stats"]
@@ -151,8 +182,14 @@ class LocalBackend(Backend):
 
     def _slots(self, statuses: list[int], offsets: list[int], sizes: list[int]) -> list[Slot]:
         limit = len(self._view) if self._view is not None else self.cfg.capacity
-        st, off = np.asarray(statuses), np.asarray(offsets, dtype=np.int64)
-        out = (st == Status.OK) & ((off < 0) | (off + np.asarray(sizes, dtype=np.int64) > limit))
+        try:
+            st, off = np.asarray(statuses, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
+            sz = np.asarray(sizes, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise BackendUnavailable("pool returned malformed slots") from None
+        if ((st < 0) | (st >= len(STATUSES))).any():
+            raise BackendUnavailable("pool returned an unknown status")
+        out = (st == Status.OK) & ((off < 0) | (sz < 0) | (off + sz > limit))
         if out.any():
             i = int(np.flatnonzero(out)[0])
             raise BackendUnavailable(f"pool returned an out-of-bounds slot {offsets[i]}+{sizes[i]}")
@@ -170,3 +207,18 @@ class LocalBackend(Backend):
             except Exception:
                 self._proc.kill()
             self._proc = None
+
+
+def _per_key(reply: dict, name: str, n: int) -> list:
+    """A reply's per-key list, which must have one entry per key asked."""
+    value = reply.get(name)
+    if not isinstance(value, list) or len(value) != n:
+        raise BackendUnavailable(f"pool reply has no {n}-entry '{name}' list")
+    return value
+
+
+def _statuses(reply: dict, n: int) -> list[Status]:
+    values = _per_key(reply, "status", n)
+    if not all(type(s) is int and 0 <= s < len(STATUSES) for s in values):
+        raise BackendUnavailable("pool returned an unknown status")
+    return [STATUSES[s] for s in values]

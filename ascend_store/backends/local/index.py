@@ -4,7 +4,8 @@ Pure bookkeeping with no I/O, so it is tested on its own. Objects are either bei
 written (reserved, invisible to readers, freed if not committed in time) or ready.
 Leases pin a ready object against eviction and removal while a reader copies it out;
 a lease that is not released within its TTL is dropped, so a dead client cannot pin
-memory forever.
+memory forever. Every ready object that goes (evicted or removed) is counted in ``gone``
+and its digest kept in a ring, so a client's cache can drop exactly what went.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from ascend_store.backends.alloc import FreeList, aligned
-from ascend_store.backends.base import Status
+from ascend_store.backends.base import Status, object_digest
 
 
 @dataclass
@@ -30,7 +33,7 @@ class _Obj:
 
 class PoolIndex:
     def __init__(self, capacity: int, lease_ttl_s: float = 30.0, reserve_ttl_s: float = 60.0,
-                 clock=time.monotonic):
+                 clock=time.monotonic, gone_ring: int = 65536):
         self.free = FreeList(capacity)
         self.lease_ttl_s = lease_ttl_s
         self.reserve_ttl_s = reserve_ttl_s
@@ -39,6 +42,8 @@ class PoolIndex:
         self._lru: OrderedDict[str, None] = OrderedDict()  # ready objects, oldest first
         self.counters = {"evictions": 0, "expired_leases": 0, "expired_reservations": 0,
                          "no_space": 0}
+        self.gone = 0  # ready objects deleted so far
+        self._gone_ring = np.zeros(gone_ring, dtype="<u8")  # their digests, by gone % size
 
     # -- writes ---------------------------------------------------------------
     def reserve(self, keys: list[str], sizes: list[int], owner: str = "") -> list[tuple[Status, int]]:
@@ -119,6 +124,14 @@ class PoolIndex:
                 out.append(Status.OK)
         return out
 
+    def gone_since(self, since: int) -> bytes | None:
+        """Digests of the objects deleted after the first ``since``, oldest first; None when
+        the ring no longer holds them all (or ``since`` is from another epoch)."""
+        ring = self._gone_ring
+        if since > self.gone or self.gone - since > len(ring):
+            return None
+        return ring[np.arange(since, self.gone) % len(ring)].tobytes()
+
     # -- upkeep ---------------------------------------------------------------
     def reap(self) -> None:
         """Drop expired leases and reservations whose writer never committed."""
@@ -165,5 +178,8 @@ class PoolIndex:
 
     def _delete(self, key: str) -> int:
         obj = self._objs.pop(key)
-        self._lru.pop(key, None)
+        if obj.ready:
+            self._lru.pop(key, None)
+            self._gone_ring[self.gone % len(self._gone_ring)] = object_digest(key)
+            self.gone += 1
         return self.free.free(obj.offset, obj.alloc)

@@ -11,11 +11,14 @@ import time
 
 import zmq
 
-from ascend_store.backends.local import protocol
-from ascend_store.backends.local.server import prepare_socket_dir
+from ascend_store.backends.local import protocol, trust
+from ascend_store.backends.local.arena import gc_arenas
 
+__all__ = ["ensure_pool", "gc_arenas", "ping"]
 log = logging.getLogger("ascend_store.pool")
 START_TIMEOUT_S = 20.0
+LOG_TAIL_BYTES = 2000
+_failed: set[str] = set()  # sockets this process could not start a pool at (logged once)
 
 
 def ping(socket_path: str, timeout_s: float = 0.5) -> dict | None:
@@ -25,47 +28,93 @@ def ping(socket_path: str, timeout_s: float = 0.5) -> dict | None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
     try:
         s.connect(f"ipc://{socket_path}")
         s.send_multipart([b"ping", protocol.pack({"op": "hello"})])
         if s.poll(int(timeout_s * 1000)):
-            return protocol.msgpack.unpackb(s.recv_multipart()[-1], raw=False)
+            return protocol.unpack_reply(s.recv_multipart()[-1])
+        return None
+    except protocol.ProtocolError:
         return None
     finally:
         s.close(0)
         ctx.term()
 
 
+def _open_private(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def _log_tail(path: str, start: int) -> str:
+    """What the pool wrote to its log since ``start`` (its last LOG_TAIL_BYTES)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(start, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+            return f.read().decode(errors="replace").strip() or "(empty)"
+    except OSError as exc:
+        return f"(unreadable: {exc.strerror})"
+
+
 def ensure_pool(cfg) -> subprocess.Popen | None:
     """Start a pool at ``cfg.socket`` unless one answers; return the process we started.
 
-    A lock file next to the socket makes concurrent starters (scheduler and workers of
-    one engine, or several engines) agree on one pool. The child exits when this
-    process does. Failing to start is logged, not raised: requests then recompute.
+    Nothing is adopted or started where the trust checks fail (trust.py): the client then
+    refuses the pool with one clear error and requests recompute. A lock file next to the
+    socket makes concurrent starters (scheduler and workers of one engine, or several
+    engines) agree on one pool. The child exits when this process does. Failing to start
+    is logged once per socket with the tail of the pool's own log, not raised.
     """
+    uids = trust.trusted_uids(cfg.trusted_uid)
+    if cfg.socket in _failed:
+        return None
+    try:
+        trust.prepare_dir(os.path.dirname(cfg.socket), uids)
+        if os.path.lexists(cfg.socket):
+            trust.check_socket(cfg.socket, uids)
+    except trust.UntrustedPool as exc:
+        log.debug("not starting a pool: %s", exc)  # the client reports it on its first call
+        return None
     if ping(cfg.socket):
         return None
-    prepare_socket_dir(cfg.socket)
-    with open(cfg.socket + ".lock", "w") as lock:
+    lock = _open_private(cfg.socket + ".lock", os.O_WRONLY)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if ping(cfg.socket):
             return None
-        cmd = [sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", cfg.socket,
-               "--capacity", str(cfg.capacity), "--lease-ttl", str(cfg.lease_ttl_s),
-               "--parent-pid", str(os.getpid())]
-        # The pool must not hold the engine's stdout/stderr open (a supervisor reading them
-        # would wait for the pool): it logs beside its socket instead.
-        with open(cfg.socket + ".log", "ab") as log_file:
-            proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=log_file)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if ping(cfg.socket):
-                log.info("started an embedded pool (pid %d) at %s", proc.pid, cfg.socket)
-                return proc
-            if proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        log.warning("could not start a pool at %s; requests will recompute", cfg.socket)
+        return _start(cfg)
+    finally:
+        os.close(lock)
+
+
+def _start(cfg) -> subprocess.Popen | None:
+    cmd = [sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", cfg.socket,
+           "--capacity", str(cfg.capacity), "--lease-ttl", str(cfg.lease_ttl_s),
+           "--parent-pid", str(os.getpid())]
+    # The pool must not hold the engine's stdout/stderr open (a supervisor reading them
+    # would wait for the pool): it logs beside its socket instead.
+    log_path = cfg.socket + ".log"
+    log_fd = _open_private(log_path, os.O_WRONLY | os.O_APPEND)
+    try:
+        start = os.fstat(log_fd).st_size
+        proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=log_fd)
+    finally:
+        os.close(log_fd)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if ping(cfg.socket):
+            log.info("started an embedded pool (pid %d) at %s", proc.pid, cfg.socket)
+            return proc
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    exited = proc.poll()
+    if exited is None:
         proc.kill()
-        return None
+        proc.wait()
+    status = f"no answer within {START_TIMEOUT_S:.0f} s" if exited is None else f"exit status {exited}"
+    _failed.add(cfg.socket)
+    log.warning("could not start a pool at %s (%s); requests will recompute. Its log %s ends with:\n%s",
+                cfg.socket, status, log_path, _log_tail(log_path, start))
+    return None

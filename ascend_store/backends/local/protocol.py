@@ -1,7 +1,12 @@
 """Wire format of the local pool: msgpack maps over a ZeroMQ socket (never pickle).
 
-Request:  {"op": str, "keys": [str], "sizes": [int]}
-Reply:    {"ok": bool, "epoch": str, ...op-specific fields..., "error": str}
+Request:  {"op": str, "keys": [str], "sizes": [int], "since": int}
+Reply:    {"ok": bool, "epoch": str, "gone": int, "gone_keys": bytes | None,
+           ...op-specific fields..., "error": str}
+``since`` is how many deleted objects the client has heard of; the reply's ``gone_keys``
+names those deleted after them (object digests, 8 bytes each: base.object_digest), or is
+None when the pool no longer remembers them all. Both directions are size-bounded: a
+client decodes a reply under limits too, so a pool cannot make it allocate without end.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from ascend_store.keys import KEY_RE
 
 MAX_MESSAGE_BYTES = 16 * 2**20
 MAX_KEYS_PER_CALL = 65536
+GONE_RING = 65536  # deleted objects the pool remembers for clients that lag
 OPS = ("hello", "exists", "reserve", "commit", "abort", "lease", "release", "remove",
        "stats", "list")
 
@@ -50,4 +56,23 @@ def unpack_request(data: bytes) -> dict:
     prefix = msg.get("prefix", "")
     if not isinstance(prefix, str) or len(prefix) > 256:
         raise ProtocolError("prefix must be a short string")
+    since = msg.get("since", 0)
+    if not isinstance(since, int) or isinstance(since, bool) or since < 0:
+        raise ProtocolError("since must be a non-negative integer")
+    return msg
+
+
+def unpack_reply(data: bytes) -> dict:
+    """Decode one reply under the same kind of bounds; ProtocolError on anything else."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError("reply too large")
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True,
+                              max_array_len=MAX_KEYS_PER_CALL, max_map_len=64,
+                              max_str_len=4096, max_bin_len=GONE_RING * 8)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable reply: {type(exc).__name__}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("ok"), bool) \
+            or not isinstance(msg.get("epoch"), str):
+        raise ProtocolError("a reply must be a map with 'ok' and 'epoch'")
     return msg

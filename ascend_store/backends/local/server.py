@@ -1,10 +1,12 @@
 """The embedded pool's server: owns the shared-memory arena and its index.
 
-One thread serves a ZeroMQ ROUTER socket on a Unix socket (mode 0600). Clients map
-the arena file themselves and copy bytes in and out; the server only hands out
-offsets, so no KV byte ever crosses the socket. The arena file is created 0600, so
-only processes of the pool's user can map it (see docs/reliability.md: every client of
-one pool shares one trust domain).
+One thread serves a ZeroMQ ROUTER socket on a Unix socket (mode 0600, in a private
+directory: trust.py). Clients map the arena file themselves and copy bytes in and out;
+the server only hands out offsets, so no KV byte ever crosses the socket. The arena
+(arena.py) is created 0600 and fully backed, locked while the pool lives and removed on
+every exit the pool sees (SIGTERM, SIGINT, SIGHUP, its parent's death); arenas of pools
+that died unseen are collected when a pool starts (see docs/reliability.md: every client
+of one pool shares one trust domain).
 """
 
 from __future__ import annotations
@@ -19,29 +21,16 @@ import time
 
 import zmq
 
-from ascend_store.backends.local import protocol
+from ascend_store.backends.local import arena, protocol, trust
 from ascend_store.backends.local.index import PoolIndex
 
 log = logging.getLogger("ascend_store.pool")
 REAP_INTERVAL_S = 0.1
 
 
-def prepare_socket_dir(socket_path: str) -> None:
-    """Create the socket's directory private to this user, or warn when it is shared."""
-    d = os.path.dirname(socket_path)
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    st = os.stat(d)
-    if st.st_uid == os.getuid() and st.st_mode & 0o077:
-        os.chmod(d, 0o700)
-    elif st.st_uid != os.getuid():
-        log.warning("pool socket directory %s is not owned by this user; "
-                    "use a private directory (socket mode stays 0600)", d)
-
-
 def _arena_dir(socket_path: str, capacity: int) -> str:
-    shm = "/dev/shm"
-    if os.path.isdir(shm) and shutil.disk_usage(shm).free >= capacity:
-        return shm
+    if os.path.isdir(arena.SHM) and shutil.disk_usage(arena.SHM).free >= capacity:
+        return arena.SHM
     log.warning("/dev/shm is missing or smaller than the pool capacity; the arena lives "
                 "beside the socket (page cache backed)")
     return os.path.dirname(socket_path)
@@ -60,24 +49,27 @@ class PoolServer:
         # Keys asked per op, and keys repeated within one call: what the caches must keep low.
         self.key_queries: dict[str, int] = {}
         self.repeated_keys = 0
-        prepare_socket_dir(self.socket_path)
+        trust.prepare_dir(os.path.dirname(self.socket_path), trust.trusted_uids(None))
         tag = hashlib.blake2b(self.socket_path.encode(), digest_size=6).hexdigest()
         arena_dir = _arena_dir(self.socket_path, capacity)
-        prefix = f"ascend-store-{os.getuid()}-{tag}-"
-        for stale in os.listdir(arena_dir):  # arenas left by a crashed pool on this socket
-            if stale.startswith(prefix):
-                os.unlink(os.path.join(arena_dir, stale))
-        self.arena_path = os.path.join(arena_dir, prefix + self.epoch)
-        fd = os.open(self.arena_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        arena.gc_arenas(arena_dir)  # arenas of pools that died without removing theirs
+        self.arena_path, self._arena_fd = arena.create(arena_dir, arena.name(tag, self.epoch), capacity)
         try:
-            os.ftruncate(fd, capacity)
-        finally:
-            os.close(fd)
+            self._bind()
+        except BaseException:
+            arena.remove(self.arena_path, self._arena_fd)
+            raise
+        self._running = True
+        self._closed = False
+        log.info("pool serving on %s, arena %s (%d bytes), epoch %s",
+                 self.socket_path, self.arena_path, capacity, self.epoch)
+
+    def _bind(self) -> None:
         self._ctx = zmq.Context(1)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if os.path.exists(self.socket_path):
+        if os.path.lexists(self.socket_path):
             os.unlink(self.socket_path)  # the launcher checked nobody answers there
         old_umask = os.umask(0o177)
         try:
@@ -85,9 +77,6 @@ class PoolServer:
         finally:
             os.umask(old_umask)
         os.chmod(self.socket_path, 0o600)
-        self._running = True
-        log.info("pool serving on %s, arena %s (%d bytes), epoch %s",
-                 self.socket_path, self.arena_path, capacity, self.epoch)
 
     def stop(self, *_):
         self._running = False
@@ -111,13 +100,16 @@ class PoolServer:
             self.close()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._sock.close(0)
         self._ctx.term()
-        for path in (self.socket_path, self.arena_path):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        arena.remove(self.arena_path, self._arena_fd)
 
     def _handle(self, data: bytes) -> bytes:
         self.requests += 1
@@ -130,7 +122,9 @@ class PoolServer:
         self.key_queries[msg["op"]] = self.key_queries.get(msg["op"], 0) + len(keys)
         self.repeated_keys += len(keys) - len(set(keys))
         reply = self._dispatch(msg["op"], keys, msg)
-        reply.update(ok=True, epoch=self.epoch, evictions=self.index.counters["evictions"])
+        reply.update(ok=True, epoch=self.epoch, gone=self.index.gone)
+        if "since" in msg:
+            reply["gone_keys"] = self.index.gone_since(msg["since"])
         return protocol.pack(reply)
 
     def _dispatch(self, op: str, keys: list[str], msg: dict) -> dict:
@@ -157,7 +151,8 @@ class PoolServer:
         if op == "remove":
             return {"status": [int(s) for s in ix.remove(keys)]}
         if op == "stats":
-            return {"stats": {**ix.stats(), "requests": self.requests, "rejected": self.rejected,
+            return {"stats": {**ix.stats(), "gone": ix.gone, "requests": self.requests,
+                              "rejected": self.rejected,
                               "key_queries": self.key_queries, "repeated_keys": self.repeated_keys,
                               "rss_bytes": _rss_bytes(), "pid": os.getpid(), "epoch": self.epoch}}
         if op == "list":
@@ -181,7 +176,19 @@ def _alive(pid: int) -> bool:
 
 def serve(socket_path: str, capacity: int, lease_ttl_s: float = 30.0,
           parent_pid: int | None = None) -> None:
-    server = PoolServer(socket_path, capacity, lease_ttl_s=lease_ttl_s, parent_pid=parent_pid)
-    signal.signal(signal.SIGTERM, server.stop)
-    signal.signal(signal.SIGINT, server.stop)
+    """Run a pool until a signal or its parent's death; a pool that cannot start logs why
+    (the launcher shows that line in the engine's log) and exits with status 2."""
+    def interrupted(signum, _frame):  # while starting: unwind, so the arena is removed
+        raise SystemExit(128 + signum)
+
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    for sig in signals:
+        signal.signal(sig, interrupted)
+    try:
+        server = PoolServer(socket_path, capacity, lease_ttl_s=lease_ttl_s, parent_pid=parent_pid)
+    except (arena.ArenaError, trust.UntrustedPool) as exc:
+        log.error("pool not started: %s", exc)
+        raise SystemExit(2) from None
+    for sig in signals:
+        signal.signal(sig, server.stop)
     server.serve_forever()
