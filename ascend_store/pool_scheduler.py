@@ -24,7 +24,7 @@ from ascend_store import seams
 from ascend_store.backends import BackendUnavailable, create_backend
 from ascend_store.config import StoreConfig
 from ascend_store.hit_cache import BlockHitCache
-from ascend_store.keys import KeySpace, chunk_hashes, identity_from_vllm
+from ascend_store.keys import KeySpace, chunk_hashes, identity_from_vllm, request_extras
 from ascend_store.layers import ATTN, STATE, group_kinds, layer_ids
 from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
 from ascend_store.stats import AscendStoreStats, IntervalCounters
@@ -134,7 +134,7 @@ class PoolScheduler:
         prompt = request.prompt_token_ids or []
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _Request(request, chunk_hashes(prompt, self.chunk))
+            state = self._reqs[request.request_id] = _Request(request, self.request_hashes(request))
         state.local_tokens = num_computed_tokens
         start = num_computed_tokens // self.chunk
         # Asked again after a preemption: what the pool holds now decides what to save
@@ -157,6 +157,11 @@ class PoolScheduler:
             return 0, False
         self.counters["hit_tokens"] += hit_tokens - num_computed_tokens
         return hit_tokens - num_computed_tokens, False
+
+    def request_hashes(self, request) -> list[str]:
+        """The chunk chain of a request's prompt, with what else names its KV (LoRA
+        adapter, cache_salt, multimodal items: keys.request_extras)."""
+        return chunk_hashes(request.prompt_token_ids or [], self.chunk, request_extras(request, self.chunk))
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)
