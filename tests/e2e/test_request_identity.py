@@ -1,7 +1,7 @@
 """Issue 19: requests with the same tokens but another cache_salt or LoRA adapter never
 share pool objects (keys.request_extras), and every output equals a run without the pool.
 
-Two engines (about 90 s on the 2-core VM): a baseline without the pool, and one with the
+Two engines (about 30 s on the 2-core VM): a baseline without the pool, and one with the
 embedded pool and vLLM's prefix cache off, so within it every hit comes from the pool.
 Round by round, the same prompt as adapter A; as the base model with salt A and without a
 salt (both miss: adapter A's objects are not theirs); with salt B (misses) next to salt A
