@@ -82,12 +82,14 @@ class IntervalCounters:
     def total(self) -> Counter[str]:
         with self._lock:
             shares = list(self._shares)
+        # dict() of a dict copies in C without running Python code, so the owner thread
+        # cannot add a key half way (the GIL is not released in between).
+        snaps = [dict(share) for share in shares]
         out: Counter[str] = Counter()
-        for share in shares:
-            # dict() of a dict copies in C without running Python code, so the owner
-            # thread cannot add a key half way (the GIL is not released in between).
-            for k, v in dict(share).items():
-                out[k] = max(out[k], v) if k in GAUGES else out[k] + v
+        for snap in snaps:
+            out.update(snap)
+        for k in GAUGES.keys() & out.keys():
+            out[k] = max(snap[k] for snap in snaps if k in snap)
         return out
 
     def take(self) -> dict[str, float]:
