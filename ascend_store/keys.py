@@ -5,12 +5,17 @@ instances would never agree on them. We hash token ids ourselves with BLAKE2b: c
 i's hash covers chunk i's tokens and the hash of chunk i-1, so one key names a whole
 prefix, the same in every process and on every machine.
 
+What else vLLM puts in its block hashes goes into the chain too (``request_extras``):
+the LoRA adapter and ``cache_salt`` seed the chain, so every chunk of such a request
+differs from the base model's; multimodal items and prompt embeddings are folded into
+the chunks they overlap. A plain request takes none of this.
+
 Key layout: ``{namespace}/g{group}/tp{rank}of{size}/L{first}-{last}/{chain-hash}``.
 One key names one *chunk object*: every layer of one KV cache group for one chunk
-(transfer.py), so a hit costs one pool entry per chunk, not one per (chunk, layer). The
-layer span is vLLM's global layer ids of the group's layers, so a pipeline stage names
-its own span; the TP shard is part of the key because each rank holds a different slice
-of the heads.
+(worker_context.py), so a hit costs one pool entry per chunk, not one per (chunk,
+layer). The layer span is vLLM's global layer ids of the group's layers, so a pipeline
+stage names its own span; the TP shard is part of the key because each rank holds a
+different slice of the heads.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import re
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from ascend_store.config import ConfigError
 
 FORMAT_VERSION = 1
 _SEED = b"ascend-store/v1"
@@ -42,10 +49,8 @@ class ModelIdentity:
     tp_size: int
     device: str
     codec: str = "raw"
-    # Quantized caches: the weight quantization (it carries static KV scales) and whether
-    # scales are computed at run time; both change the bytes of a quantized block.
+    # Quantized caches: the weight quantization carries the (static) KV scales.
     quantization: str = ""
-    kv_scales: str = "static"
     format_version: int = FORMAT_VERSION
 
     def namespace(self) -> str:
@@ -63,6 +68,13 @@ def normalize_model_name(model: str) -> str:
 
 def identity_from_vllm(vllm_config, chunk_size: int, codec: str = "raw") -> ModelIdentity:
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    if getattr(cc, "calculate_kv_scales", False):
+        # Each engine would quantize with scales of its own first batch: the same tokens,
+        # other bytes, and nothing in a key could say which engine's scales an object has.
+        raise ConfigError(
+            "ascend-store: cache_config.calculate_kv_scales=True computes KV scales per engine, so "
+            "pool objects could not be shared between engines; use static KV scales "
+            "(calculate_kv_scales=False) or run without the connector (docs/config.md)")
     return ModelIdentity(
         model=normalize_model_name(str(mc.model)),
         revision=str(mc.revision or ""),
@@ -74,20 +86,75 @@ def identity_from_vllm(vllm_config, chunk_size: int, codec: str = "raw") -> Mode
         device=str(vllm_config.device_config.device_type),
         codec=codec,
         quantization=str(getattr(mc, "quantization", None) or ""),
-        kv_scales=("dynamic" if getattr(cc, "calculate_kv_scales", False) else "static"),
     )
 
 
-def chunk_hashes(token_ids, chunk_size: int) -> list[str]:
-    """Chained hashes of every full chunk of ``token_ids`` (a partial tail is not hashed)."""
+@dataclass(frozen=True)
+class KeyExtras:
+    """What names a request's KV besides its token ids (vLLM's block-hash extra keys)."""
+
+    seed: bytes  # the chain's start: LoRA adapter and cache_salt
+    per_chunk: dict[int, bytes]  # chunk index -> multimodal items / prompt embeddings in it
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def request_extras(request, chunk_size: int) -> KeyExtras | None:
+    """The extra keys of a vLLM ``Request``; ``None`` (the common case) when it has none.
+
+    - LoRA: the adapter's name and path (a name pointed at another adapter must not
+      reuse KV), like vLLM. vLLM's ``lora_int_id`` is per process, so it is not used.
+    - ``cache_salt``: vLLM salts the first block, which changes every chained hash after
+      it; seeding the chain does the same with no per-chunk work.
+    - Multimodal items: their identifier (the content hash, or the caller's uuid) and
+      their offset from the chunk's start, in every chunk the placeholder overlaps:
+      placeholder token ids are the same for every image.
+    - Prompt embeddings: a digest of each chunk's rows (the token ids there are
+      placeholders).
+    """
+    lora = getattr(request, "lora_request", None)
+    salt = getattr(request, "cache_salt", None)
+    mm = getattr(request, "mm_features", None)
+    embeds = getattr(request, "prompt_embeds", None)
+    if not (lora or salt or mm) and embeds is None:
+        return None
+    seed = _SEED
+    if lora or salt:
+        who = {"lora": [lora.lora_name, normalize_model_name(str(lora.lora_path))] if lora else None,
+               "cache_salt": salt or None}
+        seed = hashlib.blake2b(_canonical(who), digest_size=64, key=_SEED).digest()
+    items: dict[int, list] = {}
+    for f in mm or ():  # vLLM keeps them sorted by offset
+        off, n = f.mm_position.offset, f.mm_position.length
+        for c in range(off // chunk_size, (off + n - 1) // chunk_size + 1):
+            items.setdefault(c, []).append(["mm", str(f.identifier), off - c * chunk_size])
+    if embeds is not None:
+        import torch
+
+        rows = embeds.detach().to("cpu").contiguous()
+        for c in range(len(rows) // chunk_size):
+            raw = rows[c * chunk_size:(c + 1) * chunk_size].reshape(-1).view(torch.uint8).numpy()
+            items.setdefault(c, []).append(["embeds", str(rows.dtype),
+                                            hashlib.blake2b(raw, digest_size=16).hexdigest()])
+    return KeyExtras(seed, {c: _canonical(v) for c, v in items.items()})
+
+
+def chunk_hashes(token_ids, chunk_size: int, extras: KeyExtras | None = None) -> list[str]:
+    """Chained hashes of every full chunk of ``token_ids`` (a partial tail is not hashed);
+    ``extras`` (``request_extras``) seeds the chain and is folded into its chunks."""
     n_full = len(token_ids) // chunk_size
     if n_full == 0:
         return []
     tokens = np.asarray(token_ids[: n_full * chunk_size], dtype="<u4").tobytes()
     step = chunk_size * 4
-    prev, out = _SEED, []
+    prev, more = (_SEED, None) if extras is None else (extras.seed, extras.per_chunk)
+    out = []
     for i in range(n_full):
         h = hashlib.blake2b(tokens[i * step:(i + 1) * step], digest_size=16, key=prev[:64])
+        if more and i in more:  # after the fixed-size token bytes: no ambiguity
+            h.update(more[i])
         prev = h.digest()
         out.append(h.hexdigest())
     return out
@@ -114,17 +181,23 @@ class KeySpace:
         return self.prefix(group, layers) + chunk_hash
 
 
-def partial_hashes(token_ids, chunk_size: int, block_size: int, prev: str | None, start: int) -> list[str]:
+def partial_hashes(token_ids, chunk_size: int, block_size: int, prev: str | None, start: int,
+                   extras: KeyExtras | None = None) -> list[str]:
     """Hashes of the chunk at ``start`` cut after 1, 2, ... whole blocks (fewer than a
-    chunk), chained to the previous full chunk's hash ``prev``. A prompt's last object
-    may be such a partial chunk, so at most one block of a prompt is recomputed. The
-    person tag keeps them apart from full-chunk hashes."""
-    key = bytes.fromhex(prev) if prev else _SEED
+    chunk), chained to the previous full chunk's hash ``prev`` (or the request's seed), with
+    that chunk's multimodal items folded in like a full chunk's. A prompt's last object may
+    be such a partial chunk, so at most one block of a prompt is recomputed. The person tag
+    keeps them apart from full-chunk hashes."""
+    key = bytes.fromhex(prev) if prev else (extras.seed if extras is not None else _SEED)
+    more = extras.per_chunk.get(start // chunk_size) if extras is not None else None
     out = []
     for n in range(1, chunk_size // block_size):
         end = start + n * block_size
         if end > len(token_ids):
             break
         toks = np.asarray(token_ids[start:end], dtype="<u4").tobytes()
-        out.append(hashlib.blake2b(toks, digest_size=16, key=key[:64], person=b"ascend-partial").hexdigest())
+        h = hashlib.blake2b(toks, digest_size=16, key=key[:64], person=b"ascend-partial")
+        if more:
+            h.update(more)
+        out.append(h.hexdigest())
     return out

@@ -27,7 +27,14 @@ from ascend_store import seams
 from ascend_store.backends import BackendUnavailable, create_backend
 from ascend_store.config import StoreConfig
 from ascend_store.hit_cache import BlockHitCache
-from ascend_store.keys import KeySpace, chunk_hashes, identity_from_vllm, partial_hashes
+from ascend_store.keys import (
+    KeyExtras,
+    KeySpace,
+    chunk_hashes,
+    identity_from_vllm,
+    partial_hashes,
+    request_extras,
+)
 from ascend_store.layers import ATTN, STATE, group_kinds, layer_ids
 from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
 from ascend_store.stats import AscendStoreStats, IntervalCounters
@@ -60,6 +67,7 @@ class _Request:
     pending_load: list[ChunkLoad] = field(default_factory=list)
     tail_hit: tuple[str, int] | None = None  # (partial hash, blocks) the pool served past pool_hit
     tail_saved: bool = False
+    extras: KeyExtras | None = None  # what names the request's KV besides its tokens
 
 
 class PoolScheduler:
@@ -138,11 +146,18 @@ class PoolScheduler:
             return max(prefix, start)
         return next((c + 1 for c in range(prefix - 1, start - 1, -1) if known[(STATE_TAG, c)]), start)
 
-    def _tail_hit(self, prompt, hashes: list[str], hit: int) -> tuple[str, int] | None:
+    def _tails(self, state: _Request, c: int) -> list[str]:
+        """Hashes of chunk ``c`` cut after 1, 2, ... whole blocks of the prompt. None for
+        prompt embeddings (they name only whole chunks)."""
+        if getattr(state.request, "prompt_embeds", None) is not None:
+            return []
+        return partial_hashes(state.request.prompt_token_ids or [], self.chunk, self.block_size,
+                              state.hashes[c - 1] if c else None, c * self.chunk, state.extras)
+
+    def _tail_hit(self, state: _Request, hit: int) -> tuple[str, int] | None:
         """The longest partial object (whole blocks past chunk ``hit``) the pool holds for
         this prompt, when the full-chunk hit ends at ``hit``. One call for every length."""
-        start = hit * self.chunk
-        tails = partial_hashes(prompt, self.chunk, self.block_size, hashes[hit - 1] if hit else None, start)
+        tails = self._tails(state, hit)
         if not tails:
             return None
         cache = self.hit_cache
@@ -170,7 +185,9 @@ class PoolScheduler:
         prompt = request.prompt_token_ids or []
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _Request(request, chunk_hashes(prompt, self.chunk))
+            extras = request_extras(request, self.chunk)
+            state = self._reqs[request.request_id] = _Request(request, chunk_hashes(prompt, self.chunk, extras),
+                                                              extras=extras)
         state.local_tokens = num_computed_tokens
         start = num_computed_tokens // self.chunk
         # Asked again after a preemption: what the pool holds now decides what to save
@@ -190,7 +207,7 @@ class PoolScheduler:
         hit_tokens = hit * self.chunk
         state.tail_hit = None
         if not self.state_layers:
-            state.tail_hit = self._tail_hit(prompt, state.hashes, hit)
+            state.tail_hit = self._tail_hit(state, hit)
             if state.tail_hit is not None:
                 hit_tokens += state.tail_hit[1] * self.block_size
         state.tail_saved = state.tail_hit is not None
@@ -200,6 +217,11 @@ class PoolScheduler:
             return 0, False
         self.counters["hit_tokens"] += hit_tokens - num_computed_tokens
         return hit_tokens - num_computed_tokens, False
+
+    def request_hashes(self, request) -> list[str]:
+        """The chunk chain of a request's prompt, with what else names its KV (LoRA
+        adapter, cache_salt, multimodal items: keys.request_extras)."""
+        return chunk_hashes(request.prompt_token_ids or [], self.chunk, request_extras(request, self.chunk))
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)
@@ -275,10 +297,9 @@ class PoolScheduler:
                     meta.saves.append(ChunkSave(req_id, g, state.hashes[done - 1], [block]))
                     saved.append(STATE_TAG + state.hashes[done - 1])
         tail = self._plan_tail(req_id, state, computed_after_step, meta)
-        if tail is not None:
-            saved.append(TAIL_TAG + tail)
         if self.hit_cache is not None:  # a cached miss must not hide what we now save
-            self.hit_cache.invalidate(state.hashes[state.saved_chunks:done] + saved)
+            self.hit_cache.invalidate(state.hashes[state.saved_chunks:done] + saved
+                                      + ([TAIL_TAG + tail] if tail is not None else []))
         state.saved_chunks = max(state.saved_chunks, done)
         if saved:
             state.pool_hit = done
@@ -294,8 +315,10 @@ class PoolScheduler:
         n = len(prompt) // self.block_size - done * self.blocks_per_chunk
         if n <= 0:
             return None
-        tail = partial_hashes(prompt, self.chunk, self.block_size, state.hashes[done - 1] if done else None,
-                              done * self.chunk)[n - 1]
+        tails = self._tails(state, done)
+        if len(tails) < n:
+            return None
+        tail = tails[n - 1]
         first = done * self.blocks_per_chunk
         for g, kind in enumerate(self.kinds):
             meta.saves.append(ChunkSave(req_id, g, tail, state.block_ids[g][first:first + n]))

@@ -7,6 +7,7 @@ hands the payload to the log line and to ``AscendStorePromMetrics``.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,22 +49,54 @@ SECONDS = {"load_seconds": "time in load jobs", "save_seconds": "time in save co
 
 
 class IntervalCounters:
-    """Cumulative counters plus the delta since the last ``take``."""
+    """Cumulative counters plus the delta since the last ``take``, safe across threads.
+
+    ``c[key] += n`` is a read then a write: on one shared dict two threads would lose
+    updates, and a reader iterating it could meet a key being added. So each thread
+    counts in a Counter of its own (``c[key]`` reads this thread's share) and readers
+    (``total``, ``take``) sum the shares; gauges take the largest.
+    """
 
     def __init__(self):
-        self.total: Counter[str] = Counter()
+        self._local = threading.local()
+        self._shares: list[Counter[str]] = []
+        self._lock = threading.Lock()  # guards the list of shares, not the counting
         self._reported: Counter[str] = Counter()
 
+    def _mine(self) -> Counter[str]:
+        try:
+            return self._local.share
+        except AttributeError:
+            share = self._local.share = Counter()
+            with self._lock:
+                self._shares.append(share)
+            return share
+
     def __getitem__(self, key: str):
-        return self.total[key]
+        return self._mine()[key]
 
     def __setitem__(self, key: str, value) -> None:
-        self.total[key] = value
+        self._mine()[key] = value
+
+    @property
+    def total(self) -> Counter[str]:
+        with self._lock:
+            shares = list(self._shares)
+        # dict() of a dict copies in C without running Python code, so the owner thread
+        # cannot add a key half way (the GIL is not released in between).
+        snaps = [dict(share) for share in shares]
+        out: Counter[str] = Counter()
+        for snap in snaps:
+            out.update(snap)
+        for k in GAUGES.keys() & out.keys():
+            out[k] = max(snap[k] for snap in snaps if k in snap)
+        return out
 
     def take(self) -> dict[str, float]:
-        out = {k: v - self._reported[k] for k, v in self.total.items() if k not in GAUGES}
-        out.update({k: v for k, v in self.total.items() if k in GAUGES})
-        self._reported = Counter(self.total)
+        total = self.total
+        out = {k: v - self._reported[k] for k, v in total.items() if k not in GAUGES}
+        out.update({k: v for k, v in total.items() if k in GAUGES})
+        self._reported = total
         return {k: v for k, v in out.items() if v}
 
 

@@ -5,6 +5,9 @@ shared-prefix workload; each simulated step brings N new requests with the same 
 as under prefix-sharing load, and runs vLLM's lookup hook for each one.
 
     python benchmarks/lookup.py [--requests 40] [--tokens 8192] [--shared 0.9] [--layers 32]
+                                [--steps 10] [--capacity 4GiB]
+
+tests/unit/test_benchmarks.py runs it small, so it keeps working.
 """
 
 from __future__ import annotations
@@ -18,25 +21,35 @@ import time
 from dataclasses import replace
 from types import SimpleNamespace
 
+import torch
+
 from ascend_store.backends.local.client import LocalBackend
 from ascend_store.backends.local.launcher import ping
 from ascend_store.config import LocalPoolConfig, LookupCacheConfig, StoreConfig
-from ascend_store.keys import chunk_hashes
 from ascend_store.pool_scheduler import PoolScheduler
 
 BLOCK = 128
 
 
 def fake_vllm(layers: int, block: int = BLOCK):
-    """The parts of vLLM's config the connector's halves read, and a KV cache config's
-    layer names (benchmarks/worker_host.py uses it too)."""
+    """The parts of vLLM's config the connector's halves read, and a real KV cache config
+    of one full-attention group (benchmarks/worker_host.py uses it too)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(model="bench-model", revision=None, dtype="bfloat16"),
         cache_config=SimpleNamespace(block_size=block, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         device_config=SimpleNamespace(device_type="cpu"))
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    return vllm_config, SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=names)])
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    return vllm_config, KVCacheConfig(0, [], [KVCacheGroupSpec(names, spec)])
+
+
+def _request(request_id: str, tokens: list[int]):
+    """What the scheduler's lookup reads of a vLLM request."""
+    return SimpleNamespace(request_id=request_id, prompt_token_ids=tokens, lora_request=None,
+                           cache_salt=None, mm_features=[], prompt_embeds=None)
 
 
 def main() -> None:
@@ -46,6 +59,7 @@ def main() -> None:
     ap.add_argument("--shared", type=float, default=0.9)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--capacity", default="4GiB")
     args = ap.parse_args()
 
     rng = random.Random(0)
@@ -56,7 +70,7 @@ def main() -> None:
 
     socket = tempfile.mkdtemp(prefix="ascend-store-lookup-") + "/pool.sock"
     server = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket",
-                               socket, "--capacity", "4GiB"], stderr=subprocess.DEVNULL)
+                               socket, "--capacity", args.capacity], stderr=subprocess.DEVNULL)
     try:
         while not ping(socket):
             time.sleep(0.05)
@@ -66,7 +80,8 @@ def main() -> None:
         pub = PoolScheduler(vllm_config, kv_cache_config, base, "kv_both")
         client = LocalBackend(LocalPoolConfig(socket=socket, start="never"), map_arena=False)
         keys = sorted({ks.key(g, layer, h) for prompts in steps for p in prompts
-                       for h in chunk_hashes(p, BLOCK) for ks in pub.keyspaces for g, layer in pub.layers})
+                       for h in pub.request_hashes(_request("pub", p)) for ks in pub.keyspaces
+                       for g, layer in pub.attn_layers})
         for i in range(0, len(keys), 20_000):
             batch = keys[i:i + 20_000]
             client.reserve(batch, [64] * len(batch))
@@ -77,7 +92,7 @@ def main() -> None:
               f"{args.layers} layers, block {BLOCK}, {args.steps} steps, {len(keys)} keys in the pool")
         print(f"{'lookup cache':<14}{'ms/step':>10}{'us/1K tok':>11}{'RPCs/step':>11}"
               f"{'keys asked/step':>17}{'hit tokens ok':>15}")
-        rows = {}
+        rows, all_ok = {}, True
         for enabled in (False, True):
             cfg = replace(base, lookup_cache=LookupCacheConfig(enabled=enabled))
             sched = PoolScheduler(vllm_config, kv_cache_config, cfg, "kv_both")
@@ -87,7 +102,7 @@ def main() -> None:
             ok = True
             for s, prompts in enumerate(steps):
                 for r, p in enumerate(prompts):
-                    req = SimpleNamespace(request_id=f"{enabled}-{s}-{r}", prompt_token_ids=p)
+                    req = _request(f"{enabled}-{s}-{r}", p)
                     hit, _ = sched.get_num_new_matched_tokens(req, 0)
                     ok &= hit == (len(p) // BLOCK) * BLOCK - (len(p) % BLOCK == 0)
                     sched.request_finished(req)
@@ -99,10 +114,14 @@ def main() -> None:
                   f"{dt / (n * args.requests * args.tokens / 1000) * 1e6:>11.1f}"
                   f"{(sched.backend.rpcs - rpcs0) / n:>11.1f}{asked / n:>17.0f}{str(ok):>15}")
             sched.shutdown()
+            all_ok &= ok
         print(f"cache on / off time per step: {rows[True] / rows[False]:.3f}")
         client.close()
     finally:
         server.terminate()
+        server.wait(10)
+    if not all_ok:
+        sys.exit("some lookups returned the wrong number of hit tokens")
 
 
 if __name__ == "__main__":

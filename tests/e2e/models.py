@@ -54,6 +54,34 @@ def build_llama(name: str = "llama-tiny", layers: int = 4, hidden: int = 128, he
     return out_dir
 
 
+def build_lora(base_dir: str, out_dir: str, seed: int, rank: int = 8) -> str:
+    """A random LoRA adapter for ``build_llama``'s model, in PEFT's file layout
+    (adapter_config.json + adapter_model.safetensors), on q/k/v/o: it changes the KV, so
+    KV computed without it (or with another adapter) gives other tokens."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.load(open(os.path.join(base_dir, "config.json")))
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    outs = {"q_proj": hidden, "k_proj": cfg["num_key_value_heads"] * head_dim,
+            "v_proj": cfg["num_key_value_heads"] * head_dim, "o_proj": hidden}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for proj, out in outs.items():
+            name = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.2
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.2
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_dir,
+                   "r": rank, "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none",
+                   "target_modules": list(outs), "fan_in_fan_out": False, "modules_to_save": None}, f)
+    return out_dir
+
+
 HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 

@@ -6,6 +6,8 @@ Job: {"model", "kv_config" | null, "rounds": [[token-id prompts], ...], "max_tok
       "block_size", "prefix_caching", "reset_between_rounds",
       "between": [shell command run after round i, or null], "engine_args": {...},
       "round_extra_args": [SamplingParams.extra_args per round, or null],
+      "loras": {name: adapter dir}, "prompt_opts": per round, per prompt {"cache_salt": str,
+                "lora": name} or null,
       "trace_memory": true to report Python allocations by ascend_store code that outlive
                       rounds 3.. (result "traced_growth", bytes)}
 """
@@ -61,6 +63,7 @@ def main(job_path: str) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung test can ask where
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     job = json.load(open(job_path))
     kwargs = dict(model=job["model"], dtype=job.get("dtype", "float32"), block_size=job.get("block_size", 32),
@@ -72,6 +75,8 @@ def main(job_path: str) -> None:
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**job["kv_config"])
     llm = LLM(**kwargs)
+    loras = {name: LoRARequest(name, i + 1, path)
+             for i, (name, path) in enumerate(job.get("loras", {}).items())}
     params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=0,
                             ignore_eos=True)
     rounds = []
@@ -89,8 +94,14 @@ def main(job_path: str) -> None:
         round_params = params.clone()
         if extra:
             round_params.extra_args = extra
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], round_params,
-                            use_tqdm=False)
+        opts = (job.get("prompt_opts") or [None] * len(job["rounds"]))[i] or [{}] * len(prompts)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        for inp, o in zip(inputs, opts):
+            if o.get("cache_salt"):
+                inp["cache_salt"] = o["cache_salt"]
+        adapters = [loras.get(o.get("lora")) for o in opts]
+        outs = llm.generate(inputs, round_params, use_tqdm=False,
+                            lora_request=adapters if any(adapters) else None)
         rounds.append([{
             "token_ids": list(o.outputs[0].token_ids),
             "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],

@@ -17,7 +17,11 @@ def test_int8_codec_fresh_engine_loads_close_to_baseline(tmp_path, model, baseli
     torch ops on CPU) write the same objects: each reads what the other wrote."""
     kv = kv_config(pool.socket, codec="int8", local={"start": "never"}, copy_path=save_path)
     a = run_engine(tmp_path, model, [prompts()], kv)
-    assert a["worker"]["saved_bytes"] < 0.55 * a["worker"]["saved_raw_bytes"] * 2  # vs bf16 bytes
+    # The tiny model's cache is fp32 (4 bytes a value); int8 keeps 1 byte a value plus fp16
+    # scales per (head, channel) and (token, head) and a 32-byte header: 0.268 of the raw
+    # bytes for 32-token blocks of 2 heads x 32 channels. Raw objects (1.0) or 16-bit ones
+    # (0.5) fail.
+    assert 0.25 < a["worker"]["saved_bytes"] / a["worker"]["saved_raw_bytes"] < 0.3
     kv = kv_config(pool.socket, codec="int8", local={"start": "never"}, copy_path=load_path)
     b = run_engine(tmp_path, model, [prompts()], kv)
     assert (a["copy_path"], b["copy_path"]) == (save_path, load_path)

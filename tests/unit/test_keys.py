@@ -199,3 +199,137 @@ def test_layer_ids_falls_back_when_unnumbered_name_collides():
     # An unnumbered name gets its position, which may equal another layer's number.
     cfg = _kv_cache_config(["encoder.attn", "model.layers.0.attn"])
     assert layer_ids(cfg) == {"encoder.attn": (0, 0), "model.layers.0.attn": (0, 1)}
+
+
+# -- request identity (keys.request_extras) --------------------------------------------
+
+def _vllm_request(tokens, block_size=16, **kw):
+    """A real vLLM Request with vLLM's own block hasher attached (sha256 of pickles)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(f"r{id(kw)}", list(tokens), SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(block_size, sha256), **kw)
+
+
+def _lora(name, path="/adapters/a"):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, 1, path)
+
+
+def _image(identifier, offset, length):
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                 mm_position=PlaceholderRange(offset=offset, length=length))
+
+
+TOKENS = list(range(1000, 1064))  # 4 chunks of 16
+VARIANTS = {
+    "plain": {},
+    "salt_a": {"cache_salt": "tenant-a"},
+    "salt_a_again": {"cache_salt": "tenant-a"},
+    "salt_b": {"cache_salt": "tenant-b"},
+    "lora_a": {"lora_request": _lora("a")},
+    "lora_a_elsewhere": {"lora_request": _lora("a", "/adapters/other")},
+    "lora_b": {"lora_request": _lora("b")},
+    "lora_a_salt_a": {"lora_request": _lora("a"), "cache_salt": "tenant-a"},
+    "img_x_at_20": {"mm_features": [_image("x", 20, 8)]},
+    "img_y_at_20": {"mm_features": [_image("y", 20, 8)]},
+    "img_x_at_22": {"mm_features": [_image("x", 22, 8)]},
+    "img_x_over_2_chunks": {"mm_features": [_image("x", 28, 10)]},
+    "img_x_y": {"mm_features": [_image("x", 20, 8), _image("y", 40, 4)]},
+}
+
+
+def _ours(kw, chunk=16):
+    from ascend_store.keys import request_extras
+
+    req = _vllm_request(TOKENS, **kw)
+    return chunk_hashes(req.prompt_token_ids, chunk, request_extras(req, chunk))
+
+
+def test_plain_request_has_no_extras_and_keeps_the_golden_chain():
+    from ascend_store.keys import request_extras
+
+    req = _vllm_request(list(range(64)), block_size=32)
+    assert request_extras(req, 32) is None
+    assert chunk_hashes(req.prompt_token_ids, 32, request_extras(req, 32)) == GOLDEN_0_64_32
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_chunks_equal_exactly_where_vllm_block_hashes_equal(chunk):
+    """For every pair of variants, our chunk c is shared iff vLLM's own hash of the block
+    ending chunk c is: we read the same request fields vLLM does."""
+    ours = {name: _ours(kw, chunk) for name, kw in VARIANTS.items()}
+    theirs = {name: _vllm_request(TOKENS, **kw).block_hashes for name, kw in VARIANTS.items()}
+    per = chunk // 16
+    for a in VARIANTS:
+        for b in VARIANTS:
+            for c in range(len(TOKENS) // chunk):
+                same_vllm = theirs[a][(c + 1) * per - 1] == theirs[b][(c + 1) * per - 1]
+                assert (ours[a][c] == ours[b][c]) == same_vllm, (a, b, c)
+
+
+def test_identity_separates_what_it_must():
+    h = {name: _ours(kw) for name, kw in VARIANTS.items()}
+    assert h["salt_a"] == h["salt_a_again"]
+    for other in ("plain", "salt_b", "lora_a", "lora_a_salt_a"):
+        assert all(x != y for x, y in zip(h["salt_a"], h[other])), other
+    for other in ("plain", "lora_b", "lora_a_elsewhere"):
+        assert all(x != y for x, y in zip(h["lora_a"], h[other])), other
+    # An image changes its chunk (1: tokens 16..31) and, through the chain, all after it.
+    assert h["img_x_at_20"][0] == h["plain"][0]
+    assert all(x != y for x, y in zip(h["img_x_at_20"][1:], h["img_y_at_20"][1:]))
+    assert all(x != y for x, y in zip(h["img_x_at_20"][1:], h["img_x_at_22"][1:]))
+
+
+def test_prompt_embeds_are_part_of_the_chunks():
+    import torch
+
+    from ascend_store.keys import request_extras
+
+    emb = torch.randn(64, 8, dtype=torch.bfloat16)
+    other = emb.clone()
+    other[40] += 1  # chunk 2
+
+    def hashes(e):
+        req = _vllm_request([0] * 64, prompt_embeds=e)
+        return chunk_hashes(req.prompt_token_ids, 16, request_extras(req, 16))
+
+    a, b = hashes(emb), hashes(other)
+    assert a == hashes(emb.clone())
+    assert a[:2] == b[:2] and all(x != y for x, y in zip(a[2:], b[2:]))
+    assert a[0] != chunk_hashes([0] * 64, 16)[0]
+
+
+def test_extras_stable_across_hash_seeds():
+    code = ("import json; from tests.unit.test_keys import _ours, VARIANTS; "
+            "print(json.dumps({k: _ours(v) for k, v in VARIANTS.items()}))")
+    runs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             check=True, timeout=120)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert runs[0] == runs[1]
+    assert runs[0]["salt_a"] == _ours(VARIANTS["salt_a"])
+
+
+def test_dynamic_kv_scales_are_refused_with_the_reason():
+    from ascend_store.config import ConfigError
+    from ascend_store.keys import identity_from_vllm
+
+    cfg = SimpleNamespace(
+        model_config=SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
+        cache_config=SimpleNamespace(block_size=16, cache_dtype="fp8", calculate_kv_scales=True),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        device_config=SimpleNamespace(device_type="cpu"))
+    with pytest.raises(ConfigError, match="calculate_kv_scales"):
+        identity_from_vllm(cfg, 16)
+    cfg.cache_config.calculate_kv_scales = False
+    assert identity_from_vllm(cfg, 16).kv_cache_dtype == "fp8"
