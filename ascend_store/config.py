@@ -239,7 +239,8 @@ class StoreConfig:
     lookup_cache: LookupCacheConfig = field(default_factory=LookupCacheConfig)
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
-            "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window", "local",
+            "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window",
+            "local",
             "mooncake", "memcache",
             "lookup_cache")
 

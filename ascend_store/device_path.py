@@ -241,7 +241,8 @@ class DevicePath:
         view = self.blocks_view[objs.name]
         for idx, n, (obj, page, block) in self._size_classes(objs):
             n_bytes = n * codec.payload_bytes(layout, 1)
-            rows = torch.stack([src[s + HEADER_BYTES:s + HEADER_BYTES + n_bytes] for s in starts[idx].tolist()])
+            at = starts[idx].tolist()
+            rows = torch.stack([src[s + HEADER_BYTES:s + HEADER_BYTES + n_bytes] for s in at])
             sums[torch.from_numpy(idx).to(self.dev.device)] = word_sums(rows)
             q, ks, vs = codec.split_rows(layout, rows, n)
             view[block] = dequantize(q[obj, page], ks[obj, page], vs[obj, page]).to(view.dtype)
@@ -287,7 +288,8 @@ class DevicePath:
         for idx, n, (_, _, block) in self._size_classes(objs):  # saves are whole objects
             rows = torch.empty((len(idx), codec.payload_bytes(layout, n)), dtype=torch.uint8,
                                device=self.dev.device)
-            for dst, src in zip(codec.split_rows(layout, rows, n), quantize(self.blocks_view[objs.name][block])):
+            quantized = quantize(self.blocks_view[objs.name][block])
+            for dst, src in zip(codec.split_rows(layout, rows, n), quantized):
                 dst.copy_(src.view(dst.shape))
             sums[torch.from_numpy(idx).to(self.dev.device)] = word_sums(rows)
             for off, row in zip(offsets[idx].tolist(), rows):

@@ -196,7 +196,8 @@ class Loader:
                                  limit[i:i + 1, k], lambda _: f"{st.keys[k]} layer {fmt.layers[i]}")[0]
             for j in st.entries[st.obj == k].tolist():
                 self._rejected(job, j, CorruptObject(why))
-        good = np.fromiter((j not in job.failed for j in st.entries.tolist()), dtype=bool, count=len(st.entries))
+        good = np.fromiter((j not in job.failed for j in st.entries.tolist()), dtype=bool,
+                           count=len(st.entries))
         entries, obj = st.entries[good], st.obj[good]
         loads = [job.loads[j] for j in entries.tolist()]
         pages = StepPages.of([ld.block_ids for ld in loads], [ld.skip for ld in loads],
@@ -319,7 +320,8 @@ class Loader:
         """Wait for the queued copies and compare their checksums; then release the
         leases off the step's path (the copies no longer read the arena)."""
         queued = [q for q, _ in job.queued]
-        for (q, adm), bad in zip(job.queued, self.ctx.device_path.check_loads(queued, self.ctx.cfg.verify_checksum)):
+        checked = self.ctx.device_path.check_loads(queued, self.ctx.cfg.verify_checksum)
+        for (q, adm), bad in zip(job.queued, checked):
             for e in bad:
                 j = int(adm.entries[e])
                 if j not in job.failed:
@@ -353,7 +355,8 @@ class Loader:
         return self.ctx.groups[ld.group].prefix + ld.chunk_hash
 
 
-def _walk_parts(host: np.ndarray, offs: np.ndarray, sizes: np.ndarray, layers: int) -> tuple[np.ndarray, np.ndarray]:
+def _walk_parts(host: np.ndarray, offs: np.ndarray, sizes: np.ndarray,
+                layers: int) -> tuple[np.ndarray, np.ndarray]:
     """[layer, object] offsets and sizes of the parts of variable-size objects, packed
     back to back (each rounded up to 8 bytes), found by reading each part's length. A
     length that leads outside its object gives the rest of the parts size 0 (refused)."""

@@ -186,8 +186,8 @@ class PoolScheduler:
         state = self._reqs.get(request.request_id)
         if state is None:
             extras = request_extras(request, self.chunk)
-            state = self._reqs[request.request_id] = _Request(request, chunk_hashes(prompt, self.chunk, extras),
-                                                              extras=extras)
+            state = self._reqs[request.request_id] = _Request(
+                request, chunk_hashes(prompt, self.chunk, extras), extras=extras)
         state.local_tokens = num_computed_tokens
         start = num_computed_tokens // self.chunk
         # Asked again after a preemption: what the pool holds now decides what to save

@@ -242,7 +242,8 @@ class Saver:
             for i, (name, payload) in enumerate(zip(st.fmt.layers, r.encoded[k])):
                 obj = arena[at:at + HEADER_BYTES + len(payload)]
                 obj[HEADER_BYTES:].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-                seal(obj, len(payload), ctx.layouts[name], st.keys[k], ctx.codecs[name], ctx.cfg.verify_checksum,
+                seal(obj, len(payload), ctx.layouts[name], st.keys[k], ctx.codecs[name],
+                     ctx.cfg.verify_checksum,
                      salt=int(st.fmt.salts[i]))
                 at += padded[k][i]
             r.written[k] = len(st.fmt.layers)

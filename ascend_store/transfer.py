@@ -169,7 +169,8 @@ def seal(obj: torch.Tensor, payload_len: int, layout: LayerLayout, key: str, cod
     else:
         flags, crc = FLAG_CRC, zlib.crc32(obj[HEADER_BYTES:HEADER_BYTES + payload_len].numpy())
     fp = int.from_bytes(fingerprint(key, layout, codec.name), "little") ^ salt
-    header = HEADER.pack(MAGIC, HEADER_VERSION, flags, fp.to_bytes(8, "little"), payload_len, crc, codec.cid, 0)
+    header = HEADER.pack(MAGIC, HEADER_VERSION, flags, fp.to_bytes(8, "little"), payload_len, crc,
+                         codec.cid, 0)
     obj[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
 
 
@@ -214,7 +215,8 @@ FAULTS = ("size {size} does not fit {limit}", "bad header", "stored for another 
 
 
 def check_headers(host: np.ndarray, offs: np.ndarray, size: np.ndarray, expect: np.ndarray,
-                  limit: np.ndarray, checksum: bool, codec, wsum_later: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                  limit: np.ndarray, checksum: bool, codec,
+                  wsum_later: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Check many objects at once (all layer parts of a step's chunk objects) against their
     expected fingerprints (key, layer, layout, codec) and payload sizes ``limit`` (the
     exact size for fixed-size codecs, a bound otherwise), and their payloads' checksums: a

@@ -49,7 +49,8 @@ class GroupFormat:
 
     def size(self, blocks: np.ndarray) -> np.ndarray:
         """Bytes of objects of ``blocks`` blocks (an upper bound for variable codecs)."""
-        return len(self.layers) * HEADER_BYTES + np.asarray(blocks, dtype=np.int64) * int(self.per_block.sum())
+        per_block = int(self.per_block.sum())
+        return len(self.layers) * HEADER_BYTES + np.asarray(blocks, dtype=np.int64) * per_block
 
     def parts(self, offsets: np.ndarray, blocks: np.ndarray) -> np.ndarray:
         """[layer, object] arena offset of each layer's part (header included)."""
@@ -126,6 +127,7 @@ class WorkerContext:
                 entries.append(j)
                 obj.append(k)
             if entries:
-                out.append(GroupStep(fmt, np.asarray(entries, dtype=np.int64), np.asarray(obj, dtype=np.int64),
+                out.append(GroupStep(fmt, np.asarray(entries, dtype=np.int64),
+                                     np.asarray(obj, dtype=np.int64),
                                      list(index), np.asarray(blocks, dtype=np.int64)))
         return out

@@ -178,7 +178,8 @@ def report(res: dict, label: str) -> None:
         print(f"{label:>8} {res['geometry']:>14} {res['tokens']:>6} {res['copy_path']:>9} {kind:>4}: "
               f"step {med['wall']:7.1f} ms (one memcpy of the bytes {memcpy_ms:6.1f} ms), device work "
               f"{med['device']:6.1f} ms, pool calls {med['pool']:5.1f} ms in {rpcs} round trips, host "
-              f"{host:6.1f} ms, host + pool {host + med['pool']:6.1f} ms ({res['objects']} (layer, chunk) pieces)")
+              f"{host:6.1f} ms, host + pool {host + med['pool']:6.1f} ms "
+              f"({res['objects']} (layer, chunk) pieces)")
 
 
 def main() -> None:
@@ -189,7 +190,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=4)
     ap.add_argument("--device-work", choices=("real", "skip"), default="real")
     ap.add_argument("--checkouts", nargs="*", default=[],
-                    help="other checkouts of this project to measure in the same run (each in its own process)")
+                    help="other checkouts of this project to measure in the same run (own processes)")
     ap.add_argument("--label", default="this")
     args = ap.parse_args()
     for other in args.checkouts:

@@ -132,7 +132,8 @@ def test_equally_spaced_parts_move_as_one_2d_copy_each_run():
     sizes = np.array([512] * 7 + [256], dtype=np.int64)
     assert _runs(offs, sizes) == [(0, 4, 4000), (4, 3, 512), (7, 1, 256)]
     assert _runs(offs[:1], sizes[:1]) == [(0, 1, 512)]
-    assert _runs(np.array([0, 100], dtype=np.int64), np.array([512, 512], dtype=np.int64)) == [(0, 1, 512), (1, 1, 512)]
+    overlapping = np.array([0, 100], dtype=np.int64), np.array([512, 512], dtype=np.int64)
+    assert _runs(*overlapping) == [(0, 1, 512), (1, 1, 512)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

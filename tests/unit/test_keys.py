@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 from ascend_store.keys import (
-    partial_hashes,
     KEY_RE,
+    KeyExtras,
     KeySpace,
     ModelIdentity,
     chunk_hashes,
     layer_index,
     normalize_model_name,
+    partial_hashes,
 )
 from ascend_store.layers import layer_ids
 
@@ -169,6 +170,17 @@ def test_partial_hashes_chain_and_differ_from_full_chunks():
     other = tokens[:40] + [0] * 24
     assert partial_hashes(other, 32, 8, full[0], 32)[0] == tails[0]
     assert partial_hashes(other, 32, 8, full[0], 32)[1] != tails[1]
+
+
+def test_partial_hashes_carry_the_request_identity():
+    """A prompt shorter than a chunk has only a tail: it must still carry the request's
+    seed (LoRA, cache_salt) and the multimodal items of its chunk."""
+    tokens = list(range(100, 124))
+    plain = partial_hashes(tokens, 32, 8, None, 0)
+    salted = partial_hashes(tokens, 32, 8, None, 0, KeyExtras(b"x" * 64, {}))
+    image = partial_hashes(tokens, 32, 8, None, 0, KeyExtras(b"x" * 64, {0: b'[["mm","img",3]]'}))
+    assert len(plain) == len(salted) == len(image) == 3
+    assert not set(plain) & set(salted) and not set(salted) & set(image)
 
 
 def _kv_cache_config(*groups):
