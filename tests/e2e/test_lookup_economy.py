@@ -17,7 +17,7 @@ from tests.e2e.conftest import BLOCK, REPO, assert_same_outputs, kv_config, run_
 
 pytestmark = pytest.mark.e2e
 TAMPER = f"{sys.executable} {os.path.join(REPO, 'tests', 'e2e', 'pool_tamper.py')}"
-LAYERS = 4
+OBJECTS_PER_CHUNK = 1  # one chunk object holds all 4 layers (one KV cache group, TP 1)
 
 
 def test_forty_requests_one_query_per_key_and_cache_invalidation(tmp_path, model, pool):
@@ -36,11 +36,11 @@ def test_forty_requests_one_query_per_key_and_cache_invalidation(tmp_path, model
     # Round 1, empty pool: the first lookup misses at chunk 0 and caches every answer;
     # the other 39 stop at the cached miss of chunk 0 with no call at all.
     assert all(o["num_cached_tokens"] == 0 for o in first)
-    assert s0["key_queries"]["exists"] == (shared_chunks + own_chunks) * LAYERS
+    assert s0["key_queries"]["exists"] == (shared_chunks + own_chunks) * OBJECTS_PER_CHUNK
     # Round 2: the saves invalidated those misses, so every request hits the pool, and each
-    # distinct key was asked once: 9 shared chunks + 40 own chunks, 4 layers each.
+    # distinct key was asked once: 9 shared chunks + 40 own chunks, one object each.
     assert all(o["num_cached_tokens"] == 10 * BLOCK for o in second)
-    distinct = (shared_chunks + 40 * own_chunks) * LAYERS
+    distinct = (shared_chunks + 40 * own_chunks) * OBJECTS_PER_CHUNK
     assert s1["key_queries"]["exists"] - s0["key_queries"]["exists"] == distinct
     # The worker leased each distinct object once in that step, with no key repeated in a call.
     assert s1["key_queries"]["lease"] - s0["key_queries"].get("lease", 0) == distinct
