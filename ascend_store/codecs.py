@@ -151,7 +151,6 @@ class ZstdCodec(Codec):
 
 
 RAW = RawCodec()
-CODEC_NAMES = ("raw", "int8", "zstd")
 
 
 def get_codec(name: str) -> Codec:

@@ -32,9 +32,6 @@ class Device:
         # loads and saves alike (docs/benchmarks.md).
         return self._mod.Stream(device=self.device) if self.is_accelerator else None
 
-    def event(self):
-        return self._mod.Event() if self.is_accelerator else None
-
     def use(self, stream):
         return self._mod.stream(stream) if stream is not None else contextlib.nullcontext()
 

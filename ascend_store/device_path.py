@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ascend_store.checksum import fold_sums, word_sums
 from ascend_store.codecs import dequantize, quantize
 from ascend_store.device import Device
 from ascend_store.segments import (
@@ -40,14 +41,12 @@ from ascend_store.segments import (
     CopyPlanner,
     LayerCopy,
     StepPages,
-    fold_sums,
     host_array,
     object_sums,
     object_sums_many,
     page_plan,
     run_copy,
     storage_words,
-    word_sums,
 )
 from ascend_store.transfer import HEADER_BYTES, LayerLayout
 

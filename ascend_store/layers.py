@@ -8,7 +8,7 @@ from ascend_store.keys import layer_index
 ATTN, STATE = "attn", "state"
 
 
-def group_kinds(kv_cache_config, cache_config=None) -> list[str]:
+def group_kinds(kv_cache_config) -> list[str]:
     """Per KV cache group: ``attn`` (paged KV) or ``state`` (a linear-attention layer's
     recurrent state in ``align`` mode). Anything else is refused at start with the reason
     (docs/hybrid.md lists what is supported)."""

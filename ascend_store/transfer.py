@@ -27,6 +27,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from ascend_store.checksum import wsum_host
+
 MAGIC = b"ASKV"
 HEADER = struct.Struct("<4sHH8sQIHH")  # magic, version, flags, fingerprint, payload, crc, codec, pad
 HEADER_BYTES = HEADER.size
@@ -263,19 +265,7 @@ def fault_messages(codes: np.ndarray, h: np.ndarray, sizes, limit, label) -> lis
 def _payload_sum(payload: np.ndarray, flags: int) -> int:
     if flags & FLAG_CRC:
         return zlib.crc32(payload)
-    from ascend_store.segments import wsum_host
-
     return wsum_host(payload)
-
-
-def check_header(obj: torch.Tensor, layout: LayerLayout, key: str, blocks_per_chunk: int, checksum: bool,
-                 codec) -> int:
-    """``header_faults`` for one object, raising CorruptObject; returns the payload length."""
-    host = obj.numpy()
-    faults, h = header_faults(host, [0], [host.size], [key], layout, blocks_per_chunk, checksum, codec)
-    if faults[0] is not None:
-        raise CorruptObject(faults[0])
-    return int(h["payload"][0])
 
 
 def decode_object(obj: torch.Tensor, n: int, layout: LayerLayout, block_ids: list[int], skip: int, key: str,
@@ -287,11 +277,3 @@ def decode_object(obj: torch.Tensor, n: int, layout: LayerLayout, block_ids: lis
         raise
     except Exception as exc:  # a payload the codec cannot decode is corrupt, not a crash
         raise CorruptObject(f"{key}: undecodable payload ({exc})") from None
-
-
-def read_object(obj: torch.Tensor, layout: LayerLayout, block_ids: list[int], skip: int, key: str,
-                blocks_per_chunk: int, checksum: bool, codec) -> None:
-    """Check ``obj`` against ``key``, the layout and the codec, then decode pages
-    ``skip..`` into ``block_ids``."""
-    n = check_header(obj, layout, key, blocks_per_chunk, checksum, codec)
-    decode_object(obj, n, layout, block_ids, skip, key, blocks_per_chunk, codec)

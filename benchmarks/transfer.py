@@ -31,7 +31,43 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ascend_store.device import Device  # noqa: E402
-from ascend_store.kernels import WORD, HostPtr, copy_segments  # noqa: E402
+from ascend_store.kernels import WORD, tl, triton  # noqa: E402
+
+
+# The zero-copy variant this benchmark compares (the worker no longer uses it): a Triton
+# kernel reading or writing the pinned arena directly over the link.
+@triton.jit
+def _copy_segments_kernel(src, dst, src_offs, dst_offs, seg_words, BLOCK: tl.constexpr):
+    seg = tl.program_id(0)
+    part = tl.program_id(1)
+    s = tl.load(src_offs + seg)
+    d = tl.load(dst_offs + seg)
+    idx = part * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < seg_words
+    tl.store(dst + d + idx, tl.load(src + s + idx, mask=mask), mask=mask)
+
+
+class HostPtr:
+    """Lets a Triton kernel take a raw (registered) host address as an int64 pointer."""
+
+    dtype = torch.int64
+
+    def __init__(self, addr: int):
+        self.addr = addr
+
+    def data_ptr(self) -> int:
+        return self.addr
+
+
+def copy_segments(src, dst, src_offs: torch.Tensor, dst_offs: torch.Tensor, seg_words: int,
+                  block: int = 1024, num_warps: int = 4) -> None:
+    """Copy ``len(src_offs)`` segments of ``seg_words`` words (int64 tensors or HostPtrs)."""
+    n = src_offs.numel()
+    if n:
+        grid = (n, triton.cdiv(seg_words, block))
+        _copy_segments_kernel[grid](src, dst, src_offs, dst_offs, seg_words, BLOCK=block,
+                                    num_warps=num_warps)
+
 
 GEOMETRIES = {  # name: (layers, kv heads, head dim, block size)
     "llama3-8b/b16": (32, 8, 128, 16),

@@ -12,10 +12,10 @@ from ascend_store.transfer import (
     CorruptObject,
     LayerLayout,
     object_bytes,
-    read_object,
     seal,
     write_object,
 )
+from tests.unit.objects import read_object
 
 NB, H, T, D = 6, 4, 32, 64
 KEY = "ns/g0/tp0of1/L0/abc"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ascend_store.device import Device
-from ascend_store.kernels import copy_segments_torch
+from ascend_store.kernels import copy_segments_sum_torch
 
 
 def test_cpu_device_needs_no_streams_or_pinning():
@@ -22,7 +22,9 @@ def test_cpu_device_needs_no_streams_or_pinning():
 def test_copy_segments_moves_each_segment_to_its_slot():
     src = torch.arange(64, dtype=torch.int64)
     dst = torch.full((100,), -1, dtype=torch.int64)
-    copy_segments_torch(src, dst, [8, 40, 0], [90, 10, 50], 8)
+    sums = torch.empty((3, 2), dtype=torch.int64)
+    copy_segments_sum_torch(src, dst, [8, 40, 0], [90, 10, 50], sums, 8)
+    assert sums[0].tolist() == [sum(range(8, 16)), sum((i + 1) * w for i, w in enumerate(range(8, 16)))]
     assert torch.equal(dst[90:98], src[8:16])
     assert torch.equal(dst[10:18], src[40:48])
     assert torch.equal(dst[50:58], src[0:8])

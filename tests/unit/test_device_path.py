@@ -20,9 +20,9 @@ from ascend_store.transfer import (
     LayerLayout,
     header_faults,
     object_bytes,
-    read_object,
     seal,
 )
+from tests.unit.objects import read_object
 
 NB, T, H, D = 12, 16, 2, 64
 RAW = get_codec("raw")

@@ -12,7 +12,8 @@ import torch
 
 from ascend_store.codecs import get_codec
 from ascend_store.hybrid import DeferredStateCopies, state_layout
-from ascend_store.transfer import HEADER_BYTES, CorruptObject, object_bytes, read_object, write_object
+from ascend_store.transfer import HEADER_BYTES, CorruptObject, object_bytes, write_object
+from tests.unit.objects import read_object
 
 BLOCKS, PAGE = 6, 4096
 CONV, SSM = (3, 64), (2, 8, 8)  # bf16 conv state, fp32 temporal state

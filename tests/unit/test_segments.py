@@ -12,17 +12,18 @@ import numpy as np
 import pytest
 import torch
 
+from ascend_store.checksum import wsum_host
 from ascend_store.codecs import get_codec
-from ascend_store.segments import object_sums, page_plan, plan_objects, run_copy, storage_words, wsum_host
+from ascend_store.segments import object_sums, page_plan, plan_objects, run_copy, storage_words
 from ascend_store.transfer import (
     HEADER_BYTES,
     CorruptObject,
     LayerLayout,
     object_bytes,
-    read_object,
     seal,
     write_object,
 )
+from tests.unit.objects import read_object
 
 NB, T, H, D = 8, 16, 2, 8
 RAW = get_codec("raw")

@@ -12,11 +12,11 @@ from ascend_store.transfer import (
     CorruptObject,
     LayerLayout,
     object_bytes,
-    read_object,
     seal,
     seal_headers,
     write_object,
 )
+from tests.unit.objects import read_object
 
 NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_DIM = 6, 2, 4, 8
 KEY = "ns/g0/tp0of1/L3/0123456789abcdef"
