@@ -76,6 +76,7 @@ class PoolWorker:
         self.loader = Loader(self.ctx)
         self.saver = Saver(self.ctx, cfg.defer_save_drain and _has_preemption_hook())
         self.state_copies: DeferredStateCopies | None = None
+        self.parts: dict[str, list[str]] = {}  # layer -> its tuple parts (vllm-ascend caches)
         self._step_loads = False
         self._waited: set[str] = set()
         self.load_step_layers: deque[int] = deque(maxlen=4096)  # layers that waited, per loading step
@@ -103,20 +104,14 @@ class PoolWorker:
                          else seams.state_views(self.vllm_config, name))
                 ctx.layouts[name] = state_layout(views, self.num_blocks)
                 continue
-            spec = self.kv_specs[self.layer_ids[name][0]]
-            dims = tuple(getattr(spec, a, None) for a in ("num_kv_heads", "block_size", "head_size"))
-            layout = LayerLayout.of(tensor, self.num_blocks, dims if None not in dims else None)
-            try:
-                self.codec.check(layout)
-            except ValueError as exc:
-                raise ValueError(f"ascend-store codec {self.codec.name!r} cannot store {name}: "
-                                 f"{exc}") from None
-            ctx.layouts[name] = layout
-        ctx.order = [n for n in self.layer_ids if n in ctx.layouts]
-        for g in sorted({self.layer_ids[n][0] for n in ctx.order}):
-            names = [n for n in ctx.order if self.layer_ids[n][0] == g]
-            ids = [self.layer_ids[n][1] for n in names]
-            ctx.groups[g] = GroupFormat.of(g, self.keyspace.prefix(g, (min(ids), max(ids))), names, ids,
+            for part, t in self._parts(name, tensor):
+                ctx.layouts[part] = self._layout(part, t, whole=part == name)
+        ctx.order = [p for n in self.layer_ids for p in self.parts.get(n, (n,)) if p in ctx.layouts]
+        for g in sorted({self.layer_ids[self.layer_of(p)][0] for p in ctx.order}):
+            names = [p for p in ctx.order if self.layer_ids[self.layer_of(p)][0] == g]
+            ids = [self.layer_ids[self.layer_of(p)][1] for p in names]
+            labels = [f"{i}{p[len(self.layer_of(p)):]}" for i, p in zip(ids, names)]  # 7, or 7#0 for a part
+            ctx.groups[g] = GroupFormat.of(g, self.keyspace.prefix(g, (min(ids), max(ids))), names, labels,
                                            ctx.layouts, ctx.codecs)
             ctx.group_of.update({n: (g, i) for i, n in enumerate(names)})
         states = {n: ctx.layouts[n] for n in ctx.order if n in self.state_layers}
@@ -139,6 +134,31 @@ class PoolWorker:
                 ctx.arena()
             except BackendUnavailable:
                 pass  # the pool is not up yet: pinned on first use
+
+    def _parts(self, name: str, tensor) -> list[tuple[str, torch.Tensor]]:
+        """vLLM hands one tensor per layer; vllm-ascend a tuple: (K, V) split caches, MLA's
+        (nope, rope) with different last dims, or more (an indexer cache). Each tensor of a
+        tuple is its own part of the chunk object, ``{layer}#{i}``, moved like a layer."""
+        if not isinstance(tensor, (list, tuple)):
+            return [(name, tensor)]
+        parts = [(f"{name}#{i}", t) for i, t in enumerate(tensor)]
+        self.parts[name] = [p for p, _ in parts]
+        return parts
+
+    def layer_of(self, part: str) -> str:
+        return part.split("#", 1)[0]
+
+    def _layout(self, part: str, tensor: torch.Tensor, whole: bool) -> LayerLayout:
+        spec = self.kv_specs[self.layer_ids[self.layer_of(part)][0]]
+        dims = tuple(getattr(spec, a, None) for a in ("num_kv_heads", "block_size", "head_size"))
+        # The KV dims describe a whole layer's page; a tuple's part is only some of it.
+        layout = LayerLayout.of(tensor, self.num_blocks, dims if whole and None not in dims else None)
+        try:
+            self.codec.check(layout)
+        except ValueError as exc:
+            raise ValueError(f"ascend-store codec {self.codec.name!r} cannot store {part}: {exc}") from None
+        self.ctx.codecs[part] = self.codec
+        return layout
 
     def _install_hybrid(self, states: dict[str, LayerLayout]) -> None:
         """Make linear-attention layers drive the layer protocol and defer the runner's
@@ -190,7 +210,8 @@ class PoolWorker:
         self._waited.add(layer_name)
         if self.loader.job is None or not self.cfg.use_layerwise:
             return
-        self.loader.wait(layer_name)
+        for part in self.parts.get(layer_name, (layer_name,)):
+            self.loader.wait(part)
         if layer_name in self.state_layers:
             self._run_state_copies(layer_name)
 
@@ -205,7 +226,8 @@ class PoolWorker:
     def save_kv_layer(self, layer_name: str, meta: StepMetadata | None) -> None:
         self._saves += 1
         if self.cfg.use_layerwise:
-            self.saver.save_layer(layer_name, meta.saves if meta is not None else None)
+            for part in self.parts.get(layer_name, (layer_name,)):
+                self.saver.save_layer(part, meta.saves if meta is not None else None)
 
     def wait_for_save(self, meta: StepMetadata | None) -> None:
         self.saver.drain()

@@ -193,9 +193,9 @@ def seal_headers(host: np.ndarray, offsets, payload_lens, keys: list[str] | np.n
 
 
 def layer_salts(layer_ids) -> np.ndarray:
-    """8 bytes per layer id, xor-ed into the fingerprint of that layer's part of a chunk
-    object: one hash per chunk key serves every layer (a 32K hit has 128 chunk keys and
-    3,584 layer parts)."""
+    """8 bytes per layer id (or ``id#part`` label), xor-ed into the fingerprint of that
+    layer's part of a chunk object: one hash per chunk key serves every layer (a 32K hit
+    has 128 chunk keys and 3,584 layer parts)."""
     return np.frombuffer(b"".join(hashlib.blake2b(f"L{i}".encode(), digest_size=8).digest()
                                   for i in layer_ids), dtype="<u8").copy()
 

@@ -41,7 +41,7 @@ class GroupFormat:
     fixed: bool  # fixed-size codec: parts at computable offsets
 
     @classmethod
-    def of(cls, group: int, prefix: str, layers: list[str], ids: list[int], layouts: dict, codecs: dict):
+    def of(cls, group: int, prefix: str, layers: list[str], ids: list, layouts: dict, codecs: dict):
         per_block = np.asarray([codecs[n].payload_bytes(layouts[n], 1) for n in layers], dtype=np.int64)
         before = np.concatenate([[0], np.cumsum(per_block)[:-1]]).astype(np.int64)
         return cls(group, prefix, layers, per_block, before, layer_salts(ids),
@@ -61,9 +61,17 @@ class GroupFormat:
         return HEADER_BYTES + self.per_block[:, None] * blocks[None, :]
 
     def fingerprints(self, keys: list[str], layouts: dict, codec_name: str) -> np.ndarray:
-        """[layer, object] fingerprints of each part: one hash per key, a salt per layer."""
-        fp = np.frombuffer(fingerprints(keys, layouts[self.layers[0]], codec_name), dtype="<u8")
-        return fp[None, :] ^ self.salts[:, None]
+        """[layer, object] fingerprints of each part: one hash per key and page layout (a
+        group's layers share one, a tuple cache's parts may not), a salt per layer."""
+        by_layout: dict[str, np.ndarray] = {}
+        rows = []
+        for name in self.layers:
+            layout = layouts[name]
+            tag = layout.describe()
+            if tag not in by_layout:
+                by_layout[tag] = np.frombuffer(fingerprints(keys, layout, codec_name), dtype="<u8")
+            rows.append(by_layout[tag])
+        return np.stack(rows) ^ self.salts[:, None]
 
 
 @dataclass
