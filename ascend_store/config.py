@@ -212,7 +212,8 @@ class MemcacheConfig:
             raise ConfigError(f"memcache.device: must be >= 0, got {device}")
         preferred = r.take("preferred_services", [], list)
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in preferred):
-            raise ConfigError(f"memcache.preferred_services: expected a list of service ids, got {preferred!r}")
+            raise ConfigError(f"memcache.preferred_services: expected a list of service ids, "
+                              f"got {preferred!r}")
         kw.update(meta_service_url=r.take("meta_service_url", cls.meta_service_url, str),
                   config_store_url=r.take("config_store_url", cls.config_store_url, str),
                   protocol=r.choice("protocol", cls.protocol, MEMCACHE_PROTOCOLS),

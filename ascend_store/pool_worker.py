@@ -135,7 +135,8 @@ class PoolWorker:
             except BackendUnavailable:
                 pass  # the pool is not up yet: pinned on first use
             except PinError as exc:  # an accelerator without pinning must still start
-                log.warning("ascend-store: pinning the pool's memory failed (%s); copying block by block", exc)
+                log.warning("ascend-store: pinning the pool's memory failed (%s); copying block by block",
+                            exc)
                 ctx.device_path = None
         log.info("ascend-store: copy path %s on %s", "batched" if ctx.device_path else "per_block", device)
 

@@ -61,7 +61,8 @@ class MemcacheBackend(StagedStoreBackend):
         try:
             socket.create_connection((url.hostname, url.port), timeout=self.timeout_s).close()
         except (OSError, ValueError, TypeError) as exc:
-            raise BackendUnavailable(f"memcache meta service {c.meta_service_url} unreachable: {exc}") from None
+            raise BackendUnavailable(f"memcache meta service {c.meta_service_url} unreachable: "
+                                     f"{exc}") from None
         local = memcache_hybrid.LocalConfig()
         local.meta_service_url = c.meta_service_url
         local.config_store_url = c.config_store_url
