@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch_npu and vllm-ascend, read (never imported) by tests/contract.
+# torch_npu and vllm-ascend (read, never imported) and the two Ascend KV plugins
+# (imported from their wheel files) for tests/contract.
 ASCEND_WHEELS := .cache/ascend-wheels
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE := 1
@@ -29,6 +30,8 @@ $(ASCEND_WHEELS)/.downloaded: $(VENV)/.installed
 	$(PY) -m pip download -q --no-deps -d $(ASCEND_WHEELS) torch-npu==2.10.0.post4
 	SOC_VERSION=ascend910b1 $(PY) -m pip download -q --no-deps --no-build-isolation \
 	  -d $(ASCEND_WHEELS) vllm-ascend==0.23.0.post1
+	$(PY) -m pip download -q --no-deps -d $(ASCEND_WHEELS) vllm-ascend-quantized-kv-cache==0.2.0rc4 \
+	  vllm-ascend-kvcompress-hust==0.10.0
 	touch $@
 
 setup: $(VENV)/.installed $(ASCEND_WHEELS)/.downloaded
