@@ -41,12 +41,15 @@ demo: setup
 
 # Mooncake's and memcache's servers and clients bind every interface, so their tests run
 # in a private network namespace that has only loopback; memcache's client also needs the
-# Ascend driver, stubbed in a private mount namespace: sandbox.sh sets up both.
+# Ascend driver, stubbed in a private mount namespace: sandbox.sh sets up both. One process
+# cannot hold a host_shm and then a host_tcp memcache client (memfabric keeps the first
+# one's address space), so the two protocols run in two pytest processes.
+SERVICE_TESTS := tests/backends/test_conformance.py tests/e2e/test_mooncake_e2e.py tests/e2e/test_memcache_e2e.py
 test: setup
 	ASCEND_STORE_WHEELS=$(ASCEND_WHEELS) $(PY) -m pytest -q -p no:cacheprovider tests \
 	  --ignore=tests/e2e/test_mooncake_e2e.py --ignore=tests/e2e/test_memcache_e2e.py
-	sh tests/backends/ascend_stub/sandbox.sh $(PY) -m pytest -q -p no:cacheprovider -k 'mooncake or memcache' \
-	  tests/backends/test_conformance.py tests/e2e/test_mooncake_e2e.py tests/e2e/test_memcache_e2e.py
+	sh tests/backends/ascend_stub/sandbox.sh sh -c '$(PY) -m pytest -q -p no:cacheprovider \
+	  -k "mooncake or host_shm" $(SERVICE_TESTS) && $(PY) -m pytest -q -p no:cacheprovider -k host_tcp $(SERVICE_TESTS)'
 
 lint: setup
 	$(VENV)/bin/ruff check ascend_store tests benchmarks
