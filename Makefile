@@ -48,7 +48,7 @@ SERVICE_TESTS := tests/backends/test_conformance.py tests/e2e/test_mooncake_e2e.
 test: setup
 	ASCEND_STORE_WHEELS=$(ASCEND_WHEELS) $(PY) -m pytest -q -p no:cacheprovider tests \
 	  --ignore=tests/e2e/test_mooncake_e2e.py --ignore=tests/e2e/test_memcache_e2e.py
-	sh tests/backends/ascend_stub/sandbox.sh sh -c '$(PY) -m pytest -q -p no:cacheprovider \
+	ASCEND_STUB_PYTHON=$(PY) sh tests/backends/ascend_stub/sandbox.sh sh -c '$(PY) -m pytest -q -p no:cacheprovider \
 	  -k "mooncake or host_shm" $(SERVICE_TESTS) && $(PY) -m pytest -q -p no:cacheprovider -k host_tcp $(SERVICE_TESTS)'
 
 lint: setup

@@ -1,6 +1,7 @@
 #!/bin/sh
 # Run a command where the real memcache_hybrid client can start without an NPU:
 #   sh tests/backends/ascend_stub/sandbox.sh .venv/bin/python -m pytest ...
+# (the Python with memcache_hybrid: the command's first word, or $ASCEND_STUB_PYTHON)
 # It re-runs itself in private mount and network namespaces (root only), so nothing it
 # sets up is seen outside: loopback only (memcache's servers bind every interface), a
 # private /tmp (the meta service allows one per host through /tmp/mmc_meta_service.lock)
@@ -11,7 +12,7 @@ if [ "${ASCEND_STORE_STUB_NS:-}" != 1 ]; then
     ASCEND_STORE_STUB_NS=1 exec unshare -m -n sh "$0" "$@"
 fi
 here=$(cd "$(dirname "$0")" && pwd)
-py=$1
+py=${ASCEND_STUB_PYTHON:-$1}
 mount --make-rprivate /
 ip link set lo up
 mount -t tmpfs tmpfs /tmp
