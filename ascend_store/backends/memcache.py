@@ -11,9 +11,11 @@ with the meta service gone, calls return -3000 / -3014 within ~0.5 s and the cli
 reconnects by itself once it is back, but ``init`` waits for an absent meta service
 forever (so we connect to it first); the client must be ``close()``d.
 
-Every client contributes memory to the pool (``dram_size``): workers with a staging
-buffer registered with the store; the scheduler only asks ``batch_is_exist`` and joins
-without memory (``init_bm=False``, as vllm-ascend's scheduler client does).
+Every client contributes memory to the pool (``dram_size``), workers with a staging
+buffer registered with the store. The scheduler only asks ``batch_is_exist``: it
+contributes the smallest share (2 MiB) and registers nothing. vllm-ascend's scheduler joins
+without memory (``init_bm=False``), but such a client segfaulted on its first call here
+(with the stub driver) unless a client with memory was set up first in the process.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ log = logging.getLogger("ascend_store")
 MISSING, SIZE_DIFFERS = -3007, -3012
 UNREACHABLE = (-3000, -3014)  # the meta service is gone (observed: put/get, batch_is_exist)
 G2H, H2G = 2, 3  # memcache_hybrid's copy directions: global <-> host memory (our staging buffer)
+SCHEDULER_DRAM = 2 * 2**20  # memcache's allocation unit for the host protocols
 
 
 def local_rank() -> int:
@@ -68,12 +71,12 @@ class MemcacheBackend(StagedStoreBackend):
         local.config_store_url = c.config_store_url
         local.protocol = c.protocol
         worker = self.role == "worker"
-        local.dram_size = str(c.dram_size if worker else 0)
+        local.dram_size = str(c.dram_size if worker else SCHEDULER_DRAM)
         local.hbm_size = str(c.hbm_size if worker else 0)
         store = memcache_hybrid.DistributedObjectStore()
         rc = store.setup(local)
         if rc == 0:
-            rc = store.init(self.device_id, init_bm=worker)
+            rc = store.init(self.device_id, init_bm=True)
         if rc != 0:
             raise BackendUnavailable(f"memcache setup with {c.meta_service_url} failed ({rc})")
         if c.preferred_services:

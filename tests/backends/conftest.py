@@ -138,14 +138,16 @@ assert m.MetaService.setup(c) == 0
 m.MetaService.main()
 """
 # A client that only holds memory (like mooncake_client): objects put there outlive the
-# engines that wrote them. It says its service id, then waits to be killed.
+# engines that wrote them. It writes its service id to a file, then waits to be killed.
 _MEMCACHE_STORAGE = """
-import sys, time, memcache_hybrid as m
+import os, sys, time, memcache_hybrid as m
 c = m.LocalConfig()
 c.meta_service_url, c.config_store_url, c.protocol, c.dram_size = sys.argv[1:5]
 s = m.DistributedObjectStore()
 assert s.setup(c) == 0 and s.init(0) == 0
-print("SERVICE", s.get_local_service_id(), flush=True)
+with open(sys.argv[5] + ".tmp", "w") as f:
+    f.write(str(s.get_local_service_id()))
+os.replace(sys.argv[5] + ".tmp", sys.argv[5])
 time.sleep(3600)
 """
 
@@ -174,15 +176,18 @@ def _memcache(tmp_path, protocol: str, storage: int = 0) -> Service:
         procs.append((proc, log_path))
         _wait_listening(port, proc, log_path, "memcache meta service")
         if storage:
-            log_path = tmp_path / f"memcache-storage-{n}.log"
+            log_path, id_path = tmp_path / f"memcache-storage-{n}.log", tmp_path / f"memcache-storage-{n}.id"
             with open(log_path, "w") as log:
                 proc = subprocess.Popen([sys.executable, "-c", _MEMCACHE_STORAGE, meta, store, protocol,
-                                         str(storage)], stdout=subprocess.PIPE, stderr=log, text=True)
+                                         str(storage), str(id_path)], stdout=log, stderr=subprocess.STDOUT)
             procs.append((proc, log_path))
-            line = proc.stdout.readline()  # blocks until set up, or EOF if it died
-            if not line.startswith("SERVICE "):
-                raise RuntimeError(f"memcache storage client failed:\n{_tail(log_path)}")
-            params["preferred_services"] = [int(line.split()[1])]
+            end = time.monotonic() + 60
+            while not id_path.exists():
+                if proc.poll() is not None or time.monotonic() > end:
+                    stop()
+                    raise RuntimeError(f"memcache storage client failed:\n{_tail(log_path)}")
+                time.sleep(0.1)
+            params["preferred_services"] = [int(id_path.read_text())]
 
     def stop():
         while procs:  # memcache's clients ignore SIGTERM
