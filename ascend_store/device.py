@@ -1,27 +1,100 @@
 """The one place that knows which accelerator it runs on: CUDA, Ascend NPU or CPU.
 
 Everything device-specific that the transfer path (device_path.py) needs goes through
-here: streams and events, and registering host memory (the pool's arena) as pinned. NPU
-calls go through ``torch_npu`` and are untested here (no Ascend hardware); CUDA is
-exercised by ``benchmarks/layerwise.py`` and ``tests/unit/test_device_path.py`` on a GPU,
-CPU by the test suite.
+here: streams and events (``torch.cuda``, or ``torch.npu`` once ``torch_npu`` is
+imported), and registering host memory (the pool's arena) as pinned: ``cudaHostRegister``
+on CUDA; on an NPU, CANN's host registration through ctypes on ``libascendcl.so``
+(``AscendHostRegistry``). CUDA is exercised by ``benchmarks/layerwise.py`` and
+``tests/unit/test_device_path.py`` on a GPU, CPU by the test suite; the NPU calls are
+checked against the real torch_npu wheel (tests/contract) and driven on CPU through a
+fake at this boundary only (tests/unit/fake_npu.py), never on Ascend hardware here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
+import mmap
+import os
 
 import torch
 
+log = logging.getLogger("ascend_store")
+
 _PINNED: dict[int, int] = {}  # host address -> users (cudaHostRegister is not counted)
+ACL_HOST_REG_MAPPED, ACL_HOST_REG_PINNED = 0x2, 0x10000000  # CANN acl_rt.h
+
+
+class PinError(RuntimeError):
+    """Host memory could not be registered with the accelerator."""
+
+
+def runtime(kind: str):
+    """The torch module driving streams and events on ``kind`` (None on CPU)."""
+    if kind == "cuda":
+        return torch.cuda
+    if kind == "npu":
+        import torch_npu  # noqa: F401  (it registers torch.npu)
+
+        return torch.npu
+    return None
+
+
+def load_ascendcl():
+    """CANN's runtime library: under $ASCEND_HOME_PATH (or the toolkit's) lib64, else on
+    the loader's path (CANN's set_env.sh puts it there)."""
+    homes = [os.environ.get(v) for v in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")]
+    errors = []
+    for path in [os.path.join(h, "lib64", "libascendcl.so") for h in homes if h] + ["libascendcl.so"]:
+        try:
+            return ctypes.CDLL(path)
+        except OSError as exc:
+            errors.append(str(exc))
+    raise PinError("libascendcl.so not found: " + "; ".join(errors))
+
+
+class AscendHostRegistry:
+    """CANN's registration of existing host memory: ``aclrtHostRegisterV2(ptr, size, flag)``
+    (three arguments: a four-argument declaration was a real bug elsewhere) maps and pins
+    it, ``aclrtHostGetDevicePointer(host, &device, 0)`` gives its device address,
+    ``aclrtHostUnregister(ptr)`` undoes it. Each returns 0 (ACL_SUCCESS) or an aclError."""
+
+    SYMBOLS = ("aclrtHostRegisterV2", "aclrtHostGetDevicePointer", "aclrtHostUnregister")
+
+    def __init__(self, lib):
+        missing = [s for s in self.SYMBOLS if not hasattr(lib, s)]
+        if missing:
+            raise PinError(f"this CANN has no {', '.join(missing)}")
+        self._register, self._device_ptr, self._unregister = (getattr(lib, s) for s in self.SYMBOLS)
+        self._register.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
+        self._device_ptr.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint32]
+        self._unregister.argtypes = [ctypes.c_void_p]
+        for fn in (self._register, self._device_ptr, self._unregister):
+            fn.restype = ctypes.c_int
+
+    def register(self, ptr: int, size: int) -> int:
+        """Pin and map ``size`` bytes at ``ptr``; returns the device address."""
+        rc = self._register(ptr, size, ACL_HOST_REG_MAPPED | ACL_HOST_REG_PINNED)
+        if rc != 0:
+            raise PinError(f"aclrtHostRegisterV2 failed ({rc})")
+        dev = ctypes.c_void_p()
+        rc = self._device_ptr(ptr, ctypes.byref(dev), 0)
+        if rc != 0 or not dev.value:  # unregistered memory reads as success with NULL
+            self._unregister(ptr)
+            raise PinError(f"aclrtHostGetDevicePointer failed ({rc})")
+        return dev.value
+
+    def unregister(self, ptr: int) -> None:
+        self._unregister(ptr)
 
 
 class Device:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.type = self.device.type
-        self._mod = {"cuda": getattr(torch, "cuda", None), "npu": getattr(torch, "npu", None)}.get(self.type)
+        self._mod = runtime(self.type)
+        self._acl: AscendHostRegistry | None = None
 
     @property
     def is_accelerator(self) -> bool:
@@ -49,32 +122,59 @@ class Device:
         if event is not None:
             (stream or self._mod.current_stream(self.device)).wait_event(event)
 
+    def _ascend(self) -> AscendHostRegistry:
+        if self._acl is None:
+            self._acl = AscendHostRegistry(load_ascendcl())
+        return self._acl
+
+    def pin_unavailable(self) -> str | None:
+        """Why host memory cannot be pinned here (None: it can, or nothing needs pinning).
+        On an NPU one page is registered and unregistered to find out, so a runtime
+        without host registration is known at start, not at the first transfer."""
+        if self.type != "npu":
+            return None
+        page = mmap.mmap(-1, mmap.PAGESIZE)
+        view = ctypes.c_char.from_buffer(page)
+        try:
+            ptr = ctypes.addressof(view)
+            self._ascend().register(ptr, mmap.PAGESIZE)
+            self._ascend().unregister(ptr)
+        except PinError as exc:
+            return str(exc)
+        finally:
+            del view
+            page.close()
+        return None
+
     def pin(self, buffer) -> bool:
         """Register host memory (e.g. the mmapped arena) as pinned so DMA and kernels can
         reach it. Returns False where nothing needs doing (CPU). Counted per address, so
         several users in one process (two workers, a test) can pin the same arena."""
-        if self.type == "cuda":
-            t = torch.frombuffer(buffer, dtype=torch.uint8)
-            ptr = t.data_ptr()
-            if _PINNED.get(ptr, 0) == 0:
+        if self.type not in ("cuda", "npu"):
+            return False
+        t = torch.frombuffer(buffer, dtype=torch.uint8)
+        ptr = t.data_ptr()
+        if _PINNED.get(ptr, 0) == 0:
+            if self.type == "cuda":
                 rc = torch.cuda.cudart().cudaHostRegister(ptr, t.numel(), 3)  # portable | mapped
                 if int(rc) != 0:
-                    raise RuntimeError(f"cudaHostRegister failed ({rc})")
-            _PINNED[ptr] = _PINNED.get(ptr, 0) + 1
-            return True
-        if self.type == "npu":  # pragma: no cover - needs Ascend hardware
-            import torch_npu  # noqa: F401
-
-            raise NotImplementedError("registering host memory on NPU is not implemented yet")
-        return False
+                    raise PinError(f"cudaHostRegister failed ({rc})")
+            else:
+                self._ascend().register(ptr, t.numel())
+        _PINNED[ptr] = _PINNED.get(ptr, 0) + 1
+        return True
 
     def unpin(self, buffer) -> None:
-        if self.type == "cuda":
-            ptr = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
-            _PINNED[ptr] = _PINNED.get(ptr, 1) - 1
-            if _PINNED[ptr] <= 0:
-                del _PINNED[ptr]
+        if self.type not in ("cuda", "npu"):
+            return
+        ptr = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+        _PINNED[ptr] = _PINNED.get(ptr, 1) - 1
+        if _PINNED[ptr] <= 0:
+            del _PINNED[ptr]
+            if self.type == "cuda":
                 torch.cuda.cudart().cudaHostUnregister(ptr)
+            else:
+                self._ascend().unregister(ptr)
 
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, src_start: int, src_pitch: int, width: int,
                   rows: int) -> None:
@@ -113,6 +213,21 @@ class Device:
         for r in range(rows):
             at = dst_start + r * dst_pitch
             dst[at:at + width].copy_(src[r * width:(r + 1) * width], non_blocking=True)
+
+
+def batched_copies(copy_path: str, device: torch.device) -> bool:
+    """Whether the worker takes the batched path (device_path.py) for ``copy_path``
+    ("auto": on an accelerator whose runtime can pin the pool's memory; otherwise the
+    per-block path, said once here with the reason)."""
+    if copy_path != "auto":
+        return copy_path == "batched"
+    if device.type == "cpu":
+        return False
+    why = Device(device).pin_unavailable()
+    if why:
+        log.warning("ascend-store: the pool's memory cannot be pinned on %s (%s); copying block by block",
+                    device, why)
+    return why is None
 
 
 _CUDART: list = []

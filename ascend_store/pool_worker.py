@@ -21,6 +21,7 @@ from ascend_store import seams
 from ascend_store.backends import BackendUnavailable, create_backend
 from ascend_store.codecs import get_codec
 from ascend_store.config import StoreConfig
+from ascend_store.device import PinError, batched_copies
 from ascend_store.device_path import DevicePath
 from ascend_store.hybrid import DeferredStateCopies, state_layout
 from ascend_store.keys import KeySpace, identity_from_vllm
@@ -122,18 +123,21 @@ class PoolWorker:
         if states:
             self._install_hybrid(states)
         device = ctx.layouts[ctx.order[0]].tensor.device
-        batched = self.cfg.copy_path == "batched" or (self.cfg.copy_path == "auto" and device.type != "cpu")
-        if batched and self.codec.name in DevicePath.CODECS:
+        if batched_copies(self.cfg.copy_path, device) and self.codec.name in DevicePath.CODECS:
             try:
                 ctx.device_path = DevicePath(device, ctx.layouts, ctx.codecs)
             except ValueError as exc:  # an unaligned layout: per-block copies still work
                 log.warning("ascend-store: batched device copies off (%s); copying block by block", exc)
-        log.info("ascend-store: copy path %s on %s", "batched" if ctx.device_path else "per_block", device)
         if ctx.device_path is not None:
             try:  # pinning a large arena takes seconds: at startup, not in the first request
                 ctx.arena()
             except BackendUnavailable:
                 pass  # the pool is not up yet: pinned on first use
+            except PinError as exc:  # an accelerator without pinning must still start
+                log.warning("ascend-store: pinning the pool's memory failed (%s); copying block by block",
+                            exc)
+                ctx.device_path = None
+        log.info("ascend-store: copy path %s on %s", "batched" if ctx.device_path else "per_block", device)
 
     def _parts(self, name: str, tensor) -> list[tuple[str, torch.Tensor]]:
         """vLLM hands one tensor per layer; vllm-ascend a tuple: (K, V) split caches, MLA's

@@ -26,7 +26,7 @@ def create_backend(cfg, *, role: str) -> GuardedBackend:
         from ascend_store.backends.memcache import MemcacheBackend
 
         inner = MemcacheBackend(cfg.memcache, cfg.timeout_s, role)
-        service = f"memcache {cfg.memcache.master}"
+        service = f"memcache meta service {cfg.memcache.meta_service_url}"
     else:
         module, _, name = cfg.backend.partition(":")
         inner = getattr(importlib.import_module(module), name)(cfg, role)

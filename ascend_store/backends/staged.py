@@ -1,4 +1,5 @@
-"""Backends over a Mooncake-style distributed store (Mooncake store, memcache).
+"""Backends over a distributed object store with registered client memory (Mooncake
+store, memcache).
 
 Such stores move bytes between their servers and client memory registered with them
 (``batch_put_from`` / ``batch_get_into``). The backend owns one registered staging
@@ -32,7 +33,8 @@ RPC_FAILED = -900  # Mooncake's RPC_FAIL; codes at or below it mean the service 
 
 
 class StagedStoreBackend(Backend):
-    """Subclasses implement ``_connect`` (create, set up and return the store client)."""
+    """Subclasses implement ``_connect`` (create, set up and return the store client) and
+    may override how the store's return codes read (``_check``, ``_get_into``)."""
 
     def __init__(self, staging_bytes: int, timeout_s: float, epoch: str):
         self.timeout_s = timeout_s
@@ -62,6 +64,23 @@ class StagedStoreBackend(Backend):
     def generation(self) -> Generation | None:
         return Generation(f"{self.epoch}-{self._setups}") if self._setups else None
 
+    def _check(self, name: str, out: list) -> None:
+        """Mooncake: codes at or below RPC_FAIL mean the service went away (or restarted):
+        set the client up again next time."""
+        if any(isinstance(r, int) and r <= RPC_FAILED for r in out):
+            self.store = None
+
+    def _get_into(self, keys: list[str], slots: list[Slot]) -> list[int]:
+        """Fetch ``keys`` into their staging slots (``size``: the most each may be); the
+        bytes each read, 0 for a miss. Mooncake returns the byte count itself."""
+        res = self._call("batch_get_into", keys, [self._addr + s.offset for s in slots],
+                         [s.size for s in slots])
+        return [max(int(n), 0) for n in res]
+
+    def _put_args(self) -> tuple:
+        """Arguments of ``batch_put_from`` after keys, addresses and sizes."""
+        return ()
+
     def _call(self, name: str, *args):
         """Run one store call on the helper thread, bounded by the timeout. The store is
         set up on first use, so an engine starts even while the service is down."""
@@ -78,9 +97,8 @@ class StagedStoreBackend(Backend):
             raise BackendUnavailable("backend closed") from None
         try:
             out = fut.result(timeout=self.timeout_s)
-            if isinstance(out, list) and any(isinstance(r, int) and r <= RPC_FAILED for r in out):
-                # The service went away (or restarted): set the client up again next time.
-                self.store = None
+            if isinstance(out, list):
+                self._check(name, out)
             return out
         except cf.TimeoutError:
             # The call may still complete later: give it its own thread and never reuse it.
@@ -144,7 +162,8 @@ class StagedStoreBackend(Backend):
         if todo:
             try:
                 res = self._call("batch_put_from", [k for k, _ in todo],
-                                 [self._addr + s[0] for _, s in todo], [s[2] for _, s in todo])
+                                 [self._addr + s[0] for _, s in todo], [s[2] for _, s in todo],
+                                 *self._put_args())
             except BackendUnavailable:
                 self._forget([k for k, _ in todo])
                 raise
@@ -164,15 +183,14 @@ class StagedStoreBackend(Backend):
         slots = self._take(keys, sizes)
         ok = [(k, s) for k, s in zip(keys, slots) if s.status is Status.OK]
         try:
-            res = self._call("batch_get_into", [k for k, _ in ok],
-                             [self._addr + s.offset for _, s in ok], [s.size for _, s in ok])
+            res = self._get_into([k for k, _ in ok], [s for _, s in ok]) if ok else []
         except BackendUnavailable:
             self._forget([k for k, _ in ok])
             raise
         got = {}
         for (k, s), n in zip(ok, res):
             if n > 0:
-                got[k] = Slot(Status.OK, s.offset, int(n))
+                got[k] = Slot(Status.OK, s.offset, n)
             else:
                 self._free([k])
         return [got.get(k, Slot(Status.MISSING)) for k in keys]

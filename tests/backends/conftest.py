@@ -1,16 +1,18 @@
 """One conformance suite, three backends: the local pool (a real pool process), Mooncake
-(a real mooncake_master and mooncake_client storage process) and memcache (a stand-in of
-its client API: its data plane needs Ascend hardware).
+(a real mooncake_master and mooncake_client storage process) and memcache (the real
+memcache_hybrid 1.3.0 meta service and clients, over host_shm and over host_tcp).
 
-Mooncake binds all interfaces, so its tests run only inside a private network namespace
-with just loopback: `make test` runs them with `unshare -n` and ASCEND_STORE_NETNS=1.
+Mooncake and memcache bind all interfaces, so their tests run only inside a private
+network namespace with just loopback. memcache's client also needs the Ascend driver:
+tests/backends/ascend_stub/sandbox.sh stands in for it (driver_stub.c) in a private mount
+namespace. `make test` runs these tests inside that sandbox (which is also the network
+namespace: ASCEND_STORE_NETNS=1, ASCEND_STORE_ASCEND_STUB=1).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,10 +21,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from ascend_store.config import LocalPoolConfig, StoreServiceConfig
+from ascend_store.config import LocalPoolConfig, MemcacheConfig, StoreServiceConfig
 from tests.e2e.conftest import Pool
 
 IN_NETNS = os.environ.get("ASCEND_STORE_NETNS") == "1"
+IN_ASCEND_STUB = os.environ.get("ASCEND_STORE_ASCEND_STUB") == "1"
 BIN = os.path.dirname(sys.executable)
 # Below Linux's ephemeral range (32768+), so no outgoing connection holds a service port
 # when its server binds it, and above the ports Mooncake's transfer engines pick at random.
@@ -60,10 +63,8 @@ def make_backend(kind: str, params: dict, timeout_s: float = 2.0, role: str = "w
 
         return MooncakeBackend(StoreServiceConfig(**params), timeout_s, role)
     from ascend_store.backends.memcache import MemcacheBackend
-    from tests.backends import memcache_standin
 
-    sys.modules["memcache_hybrid"] = memcache_standin  # the stand-in, see its docstring
-    return MemcacheBackend(StoreServiceConfig(**params), timeout_s, role)
+    return MemcacheBackend(MemcacheConfig.parse(params), timeout_s, role)
 
 
 @dataclass
@@ -129,23 +130,81 @@ def _mooncake(tmp_path) -> Service:
     return Service("mooncake", params, cap, start, stop)
 
 
-def _memcache(tmp_path) -> Service:
-    d = tmp_path / "memcache"
+_MEMCACHE_META = """
+import sys, memcache_hybrid as m
+c = m.MetaConfig()
+c.meta_service_url, c.config_store_url, c.log_level = sys.argv[1], sys.argv[2], "error"
+assert m.MetaService.setup(c) == 0
+m.MetaService.main()
+"""
+# A client that only holds memory (like mooncake_client): objects put there outlive the
+# engines that wrote them. It writes its service id to a file, then waits to be killed.
+_MEMCACHE_STORAGE = """
+import os, sys, time, memcache_hybrid as m
+c = m.LocalConfig()
+c.meta_service_url, c.config_store_url, c.protocol, c.dram_size = sys.argv[1:5]
+s = m.DistributedObjectStore()
+assert s.setup(c) == 0 and s.init(0) == 0
+with open(sys.argv[5] + ".tmp", "w") as f:
+    f.write(str(s.get_local_service_id()))
+os.replace(sys.argv[5] + ".tmp", sys.argv[5])
+time.sleep(3600)
+"""
+
+
+def _memcache(tmp_path, protocol: str, storage: int = 0) -> Service:
+    """The meta service and, with ``storage`` bytes, a storage client; the backends under
+    test contribute ``dram_size`` each (memcache places objects on any client)."""
+    if not (IN_NETNS and IN_ASCEND_STUB):
+        pytest.skip("memcache needs the Ascend driver stub and a private network namespace: run "
+                    "inside tests/backends/ascend_stub/sandbox.sh (make test does)")
+    pytest.importorskip("memcache_hybrid")
+    port = next(_ports)
+    meta, store = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
     cap = 8 * 2**20
+    procs: list[tuple[subprocess.Popen, object]] = []
+    starts = itertools.count()
+    params = {"meta_service_url": meta, "config_store_url": store, "protocol": protocol,
+              "dram_size": cap, "staging_size": 64 * 2**20}
 
     def start():
-        d.mkdir(exist_ok=True)
-        (d / "capacity").write_text(str(cap))
+        n = next(starts)
+        log_path = tmp_path / f"memcache-meta-{n}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-c", _MEMCACHE_META, meta, store],
+                                    stdout=log, stderr=subprocess.STDOUT)
+        procs.append((proc, log_path))
+        _wait_listening(port, proc, log_path, "memcache meta service")
+        if storage:
+            log_path, id_path = tmp_path / f"memcache-storage-{n}.log", tmp_path / f"memcache-storage-{n}.id"
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen([sys.executable, "-c", _MEMCACHE_STORAGE, meta, store, protocol,
+                                         str(storage), str(id_path)], stdout=log, stderr=subprocess.STDOUT)
+            procs.append((proc, log_path))
+            end = time.monotonic() + 60
+            while not id_path.exists():
+                if proc.poll() is not None or time.monotonic() > end:
+                    stop()
+                    raise RuntimeError(f"memcache storage client failed:\n{_tail(log_path)}")
+                time.sleep(0.1)
+            params["preferred_services"] = [int(id_path.read_text())]
 
     def stop():
-        shutil.rmtree(d, ignore_errors=True)
+        while procs:  # memcache's clients ignore SIGTERM
+            p, log_path = procs.pop()
+            if p.poll() is not None:
+                print(f"memcache process had exited ({p.returncode}):\n{_tail(log_path)}")
+            p.kill()
+            p.wait()
 
-    return Service("memcache", {"master": f"file://{d}", "staging_size": 64 * 2**20}, cap, start, stop)
+    return Service("memcache", params, cap, start, stop)
 
 
-@pytest.fixture(params=["local", "mooncake", "memcache"])
+@pytest.fixture(params=["local", "mooncake", "memcache-host_shm", "memcache-host_tcp"])
 def service(request, tmp_path):
-    svc = {"local": _local, "mooncake": _mooncake, "memcache": _memcache}[request.param](tmp_path)
+    kind, _, protocol = request.param.partition("-")
+    svc = _memcache(tmp_path, protocol) if kind == "memcache" else {"local": _local, "mooncake": _mooncake}[
+        kind](tmp_path)
     svc.start_fn()
     yield svc
     svc.stop_fn()

@@ -1,4 +1,4 @@
-"""The behaviour every backend must share (see tests/backends/conftest.py for the three)."""
+"""The behaviour every backend must share (see tests/backends/conftest.py for the backends)."""
 
 from __future__ import annotations
 
@@ -64,22 +64,27 @@ def test_an_existing_object_is_never_overwritten(service):
     b.close()
 
 
-def _writer(kind, params, q):
+def _writer(kind, params, q, done):
     b = make_backend(kind, params)
     q.put(_put(b, {f"proc/{i}": _data(i, 3000 + i) for i in range(10)}))
+    done.wait(60)  # memcache keeps objects in the memory of the client that put them
     b.close()
 
 
 def test_two_client_processes_share_objects(service):
-    q = mp.get_context("spawn").Queue()
-    p = mp.get_context("spawn").Process(target=_writer, args=(service.kind, service.params, q))
+    ctx = mp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_writer, args=(service.kind, service.params, q, done))
     p.start()
-    assert q.get(timeout=60) == [Status.OK] * 10
-    p.join(30)
-    b = service.backend()
-    assert _get(b, [f"proc/{i}" for i in range(10)], 4000) == {f"proc/{i}": _data(i, 3000 + i)
-                                                              for i in range(10)}
-    b.close()
+    try:
+        assert q.get(timeout=60) == [Status.OK] * 10
+        b = service.backend()
+        assert _get(b, [f"proc/{i}" for i in range(10)], 4000) == {f"proc/{i}": _data(i, 3000 + i)
+                                                                  for i in range(10)}
+        b.close()
+    finally:
+        done.set()
+        p.join(30)
 
 
 def test_writing_past_capacity_never_raises_and_never_returns_wrong_bytes(service):
@@ -114,6 +119,7 @@ def test_unreachable_service_fails_within_the_timeout(service):
     t = time.monotonic()
     with pytest.raises(BackendUnavailable):
         b.exists(["k/a"])
+    with pytest.raises(BackendUnavailable):
         b.reserve(["k/a"], [10])
     assert time.monotonic() - t < 5
     b.close()

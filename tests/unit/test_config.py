@@ -184,3 +184,26 @@ def test_batched_copy_path_takes_fixed_size_codecs_only():
     assert StoreConfig.parse({"copy_path": "batched", "codec": "int8"}).copy_path == "batched"
     with pytest.raises(ConfigError, match="copy_path.*zstd"):
         StoreConfig.parse({"copy_path": "batched", "codec": "zstd"})
+
+
+def test_memcache_section_takes_memcache_hybrids_names():
+    cfg = StoreConfig.parse({"backend": "memcache", "memcache": {
+        "meta_service_url": "tcp://10.0.0.1:5000", "protocol": "host_shm", "dram_size": "1GiB",
+        "device": 3, "preferred_services": [0, 2]}})
+    m = cfg.memcache
+    assert (m.meta_service_url, m.protocol, m.dram_size, m.device, m.preferred_services) == (
+        "tcp://10.0.0.1:5000", "host_shm", 2**30, 3, (0, 2))
+    assert StoreConfig.parse({}).memcache.device is None  # per rank unless set
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"protocol": "tcp"}, "memcache.protocol: got 'tcp', accepted values: host_rdma"),
+    ({"master": "127.0.0.1:5000"}, "unknown key(s) memcache.master"),
+    ({"dram_size": "lots"}, "memcache.dram_size"),
+    ({"device": -1}, "memcache.device"),
+    ({"preferred_services": ["a"]}, "memcache.preferred_services"),
+])
+def test_memcache_section_rejects_names_from_elsewhere(raw, needle):
+    with pytest.raises(ConfigError) as err:
+        StoreConfig.parse({"memcache": raw})
+    assert needle in str(err.value)
