@@ -30,16 +30,19 @@ NUM_BLOCKS = 4 * CHUNK_BLOCKS + 1  # block 0 is vLLM's null block
 
 def _caches(kind: str) -> dict[str, tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(0)
-    if kind == "kv":  # [blocks, block, kv heads, head dim], K and V apart
+    if kind in ("kv", "int8"):  # [blocks, block, kv heads, head dim], K and V apart
         shapes = [(NUM_BLOCKS, BLOCK, 2, 64)] * 2
     else:  # MLA: the latent (nope) and the rope key, one "head"
         shapes = [(NUM_BLOCKS, BLOCK, 1, 512), (NUM_BLOCKS, BLOCK, 1, 64)]
-    return {f"model.layers.{i}.self_attn.attn": tuple(torch.randn(s, generator=g).to(torch.bfloat16)
-                                                      for s in shapes) for i in range(LAYERS)}
+    if kind == "int8":  # the INT8 KV cache plugin's pages: int8 values, passed through byte-exact
+        make = lambda s: torch.randint(-128, 128, s, generator=g, dtype=torch.int8)  # noqa: E731
+    else:
+        make = lambda s: torch.randn(s, generator=g).to(torch.bfloat16)  # noqa: E731
+    return {f"model.layers.{i}.self_attn.attn": tuple(make(s) for s in shapes) for i in range(LAYERS)}
 
 
 @pytest.mark.parametrize("copy_path", ["per_block", "batched"])
-@pytest.mark.parametrize("kind", ["kv", "mla"])
+@pytest.mark.parametrize("kind", ["kv", "mla", "int8"])
 def test_tuple_caches_round_trip_byte_exact(pool, kind, copy_path):  # noqa: F811
     vllm_config, kv_cache_config = fake_vllm(LAYERS, BLOCK)
     kv_cache_config.num_blocks = NUM_BLOCKS
