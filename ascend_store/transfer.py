@@ -188,8 +188,13 @@ def seal_headers(host: np.ndarray, offsets, payload_lens, keys: list[str] | np.n
         fingerprints(keys, layout, codec.name), dtype="<u8")
     h["payload"] = payload_lens
     h["crc"] = sums if flags else 0
-    at = np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(HEADER_BYTES)
-    host[at] = h.view(np.uint8).reshape(-1, HEADER_BYTES)
+    offs = np.asarray(offsets, dtype=np.int64)
+    if not (offs % 8).any():  # 4 words per header: an eighth of the scattered elements
+        words = HEADER_BYTES // 8
+        host[:host.size // 8 * 8].view(np.uint64)[(offs // 8)[:, None] + np.arange(words)] = \
+            h.view(np.uint64).reshape(-1, words)
+    else:
+        host[offs[:, None] + np.arange(HEADER_BYTES)] = h.view(np.uint8).reshape(-1, HEADER_BYTES)
 
 
 def layer_salts(layer_ids) -> np.ndarray:
