@@ -12,10 +12,20 @@ if [ "${ASCEND_STORE_STUB_NS:-}" != 1 ]; then
     ASCEND_STORE_STUB_NS=1 exec unshare -m -n sh "$0" "$@"
 fi
 here=$(cd "$(dirname "$0")" && pwd)
+repo=$(pwd)
 py=${ASCEND_STUB_PYTHON:-$1}
 mount --make-rprivate /
 ip link set lo up
+# A private /tmp, but a checkout that lives under /tmp (a CI clone) stays where it is: the
+# old /tmp is kept reachable and the checkout bound back into the new one.
+old=$(mktemp -d /run/ascend-stub-tmp.XXXXXX 2>/dev/null || mktemp -d /var/tmp/ascend-stub-tmp.XXXXXX)
+mount --bind /tmp "$old"
 mount -t tmpfs tmpfs /tmp
+for path in "$repo" "$here"; do
+    case "$path" in
+        /tmp/*) mkdir -p "$path" && mount --bind "$old${path#/tmp}" "$path" ;;
+    esac
+done
 mount -t tmpfs tmpfs /dev/shm
 stub=/tmp/ascend-stub
 mkdir -p $stub/lib64 $stub/usr-local/up $stub/usr-local/work
