@@ -176,16 +176,18 @@ class Device:
             else:
                 self._ascend().unregister(ptr)
 
-    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, src_start: int, src_pitch: int, width: int,
-                  rows: int) -> None:
-        """Queue a copy of ``rows`` rows of ``width`` bytes, ``src_pitch`` bytes apart from
-        ``src_start`` in ``src`` (uint8, host or device), into ``dst`` (uint8, rows back to
-        back) on the current stream: one 2D DMA on CUDA (one layer's parts of equally
-        spaced chunk objects), a copy per row elsewhere."""
+    def copy_2d(self, dst: torch.Tensor, dst_start: int, dst_pitch: int, src: torch.Tensor, src_start: int,
+                src_pitch: int, width: int, rows: int) -> None:
+        """Queue a copy of ``rows`` rows of ``width`` bytes from ``src`` (rows ``src_pitch``
+        bytes apart from ``src_start``) to ``dst`` (``dst_pitch`` apart from ``dst_start``),
+        uint8 tensors on host or device, on the current stream: one 2D DMA on CUDA (one
+        layer's parts of equally spaced chunk objects), a copy per row elsewhere."""
         if self.type == "cuda" and rows > 1 and _cudart() is not None:
-            kind = 1 if src.device.type == "cpu" else 3  # host->device, device->device
+            # cudaMemcpyKind: host->device 1, device->host 2, device->device 3
+            kind = {(False, True): 1, (True, False): 2, (True, True): 3}[
+                (src.device.type != "cpu", dst.device.type != "cpu")]
             rc = _cudart().cudaMemcpy2DAsync(
-                ctypes.c_void_p(dst.data_ptr()), ctypes.c_size_t(width),
+                ctypes.c_void_p(dst.data_ptr() + dst_start), ctypes.c_size_t(dst_pitch),
                 ctypes.c_void_p(src.data_ptr() + src_start), ctypes.c_size_t(src_pitch),
                 ctypes.c_size_t(width), ctypes.c_size_t(rows), ctypes.c_int(kind),
                 ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream))
@@ -193,27 +195,8 @@ class Device:
                 raise RuntimeError(f"cudaMemcpy2DAsync failed ({rc})")
             return
         for r in range(rows):
-            at = src_start + r * src_pitch
-            dst[r * width:(r + 1) * width].copy_(src[at:at + width], non_blocking=True)
-
-    def copy_rows_out(self, dst: torch.Tensor, dst_start: int, dst_pitch: int, src: torch.Tensor, width: int,
-                      rows: int) -> None:
-        """The reverse of ``copy_rows``: rows back to back in ``src`` (device) out to
-        ``dst`` (the host arena) ``dst_pitch`` bytes apart from ``dst_start``."""
-        if self.type == "cuda" and rows > 1 and _cudart() is not None:
-            kind = 2 if dst.device.type == "cpu" else 3  # device->host, device->device
-            rc = _cudart().cudaMemcpy2DAsync(
-                ctypes.c_void_p(dst.data_ptr() + dst_start), ctypes.c_size_t(dst_pitch),
-                ctypes.c_void_p(src.data_ptr()), ctypes.c_size_t(width),
-                ctypes.c_size_t(width), ctypes.c_size_t(rows), ctypes.c_int(kind),
-                ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream))
-            if rc != 0:
-                raise RuntimeError(f"cudaMemcpy2DAsync failed ({rc})")
-            return
-        for r in range(rows):
-            at = dst_start + r * dst_pitch
-            dst[at:at + width].copy_(src[r * width:(r + 1) * width], non_blocking=True)
-
+            d, s_ = dst_start + r * dst_pitch, src_start + r * src_pitch
+            dst[d:d + width].copy_(src[s_:s_ + width], non_blocking=True)
 
 def batched_copies(copy_path: str, device: torch.device) -> bool:
     """Whether the worker takes the batched path (device_path.py) for ``copy_path``

@@ -211,7 +211,7 @@ class DevicePath:
         staging = torch.empty(int(slot.sum()), dtype=torch.uint8, device=self.dev.device)
         for first, count, pitch in _runs(offs, sizes):
             width = int(slot[first])
-            self.dev.copy_rows(staging[int(staged[first]):], arena, int(offs[first]), pitch, width, count)
+            self.dev.copy_2d(staging, int(staged[first]), width, arena, int(offs[first]), pitch, width, count)
         return staging, staged
 
     def _size_classes(self, objs: LayerObjects):
@@ -272,8 +272,9 @@ class DevicePath:
             sums = run_copy(copy, self.words[objs.name], staging.view(torch.int64), self.dev.device)
             for first, count, pitch in _runs(offs, sizes):
                 # Headers ride along in the 2D copy and are rewritten at the commit.
-                self.dev.copy_rows_out(arena, int(offs[first]), pitch, staging[int(starts[first]):],
-                                       int(slot[first]), count)
+                width = int(slot[first])
+                self.dev.copy_2d(arena, int(offs[first]), pitch, staging, int(starts[first]), width, width,
+                                 count)
             done = self.dev.record(self.save_stream)
         return QueuedSave(objs, done, sums, copy, staging)
 

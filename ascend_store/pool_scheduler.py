@@ -121,23 +121,10 @@ class PoolScheduler:
         ask = [(tag, c) for c in range(start, end) for tag, _ in tags if (tag, c) not in known]
         if ask:
             layers_of = dict(tags)
-            keys = [ks.key(g, span, hashes[c]) for tag, c in ask for ks in self.keyspaces
-                    for g, span in layers_of[tag]]
-            self.counters["lookup_rpcs"] += 1
-            try:
-                found = self.backend.exists(keys)
-            except BackendUnavailable:
-                self.counters["lookup_errors"] += 1
+            found = self._exists([(tag + hashes[c], hashes[c], layers_of[tag]) for tag, c in ask])
+            if found is None:
                 return start
-            i = 0
-            for tag, c in ask:
-                n = len(self.keyspaces) * len(layers_of[tag])
-                known[(tag, c)] = all(found[i:i + n])
-                i += n
-            if cache is not None:
-                cache.observe(self.backend.generation())
-                for (tag, c) in ask:
-                    cache.put(tag + hashes[c], known[(tag, c)])
+            known.update(zip(ask, found))
         prefix = start
         while prefix < end and known[("", prefix)]:
             prefix += 1
@@ -145,6 +132,28 @@ class PoolScheduler:
         if not self.state_layers:
             return max(prefix, start)
         return next((c + 1 for c in range(prefix - 1, start - 1, -1) if known[(STATE_TAG, c)]), start)
+
+    def _exists(self, items: list[tuple[str, str, list]]) -> list[bool] | None:
+        """One pool call for ``items`` (hit-cache entry, chunk hash, (group, layer span)s):
+        whether every shard's object of each is there, cached; None (counted) when the pool
+        cannot answer."""
+        keys = [ks.key(g, span, h) for _, h, groups in items for ks in self.keyspaces for g, span in groups]
+        self.counters["lookup_rpcs"] += 1
+        try:
+            found = self.backend.exists(keys)
+        except BackendUnavailable:
+            self.counters["lookup_errors"] += 1
+            return None
+        out, i = [], 0
+        for _, _, groups in items:
+            n = len(self.keyspaces) * len(groups)
+            out.append(all(found[i:i + n]))
+            i += n
+        if self.hit_cache is not None:
+            self.hit_cache.observe(self.backend.generation())
+            for (entry, _, _), hit in zip(items, out):
+                self.hit_cache.put(entry, hit)
+        return out
 
     def _tails(self, state: _Request, c: int) -> list[str]:
         """Hashes of chunk ``c`` cut after 1, 2, ... whole blocks of the prompt. None for
@@ -164,18 +173,10 @@ class PoolScheduler:
         known = {h: cache.get(TAIL_TAG + h) for h in tails} if cache is not None else {}
         ask = [h for h in tails if known.get(h) is None]
         if ask:
-            keys = [ks.key(g, span, h) for h in ask for ks in self.keyspaces for g, span in self.attn_layers]
-            self.counters["lookup_rpcs"] += 1
-            try:
-                found = self.backend.exists(keys)
-            except BackendUnavailable:
-                self.counters["lookup_errors"] += 1
+            found = self._exists([(TAIL_TAG + h, h, self.attn_layers) for h in ask])
+            if found is None:
                 return None
-            n = len(self.keyspaces) * len(self.attn_layers)
-            for i, h in enumerate(ask):
-                known[h] = all(found[i * n:(i + 1) * n])
-                if cache is not None:
-                    cache.put(TAIL_TAG + h, known[h])
+            known.update(zip(ask, found))
         for k in range(len(tails), 0, -1):
             if known[tails[k - 1]]:
                 return tails[k - 1], k
@@ -185,9 +186,8 @@ class PoolScheduler:
         prompt = request.prompt_token_ids or []
         state = self._reqs.get(request.request_id)
         if state is None:
-            extras = request_extras(request, self.chunk)
-            state = self._reqs[request.request_id] = _Request(
-                request, chunk_hashes(prompt, self.chunk, extras), extras=extras)
+            hashes, extras = self.request_chain(request)
+            state = self._reqs[request.request_id] = _Request(request, hashes, extras=extras)
         state.local_tokens = num_computed_tokens
         start = num_computed_tokens // self.chunk
         # Asked again after a preemption: what the pool holds now decides what to save
@@ -218,10 +218,11 @@ class PoolScheduler:
         self.counters["hit_tokens"] += hit_tokens - num_computed_tokens
         return hit_tokens - num_computed_tokens, False
 
-    def request_hashes(self, request) -> list[str]:
-        """The chunk chain of a request's prompt, with what else names its KV (LoRA
-        adapter, cache_salt, multimodal items: keys.request_extras)."""
-        return chunk_hashes(request.prompt_token_ids or [], self.chunk, request_extras(request, self.chunk))
+    def request_chain(self, request) -> tuple[list[str], KeyExtras | None]:
+        """The chunk chain of a request's prompt, and what else names its KV (LoRA adapter,
+        cache_salt, multimodal items: keys.request_extras), which its tail hashes reuse."""
+        extras = request_extras(request, self.chunk)
+        return chunk_hashes(request.prompt_token_ids or [], self.chunk, extras), extras
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)

@@ -177,12 +177,9 @@ class Saver:
         ctx = self.ctx
         arena = ctx.arena()
         st = r.step
-        parts = st.fmt.parts(r.offsets, st.blocks)[i]
-        sizes = st.fmt.part_sizes(st.blocks)[i]
-        for k, sv in enumerate(saves):
-            if r.offsets[k] < 0:
-                continue
-            off, size = int(parts[k]), int(sizes[k])
+        sizes = HEADER_BYTES + st.fmt.per_block[i] * st.blocks
+        for k, off in zip(r.ok.tolist(), r.parts[i].tolist()):  # the reserved objects
+            sv, size = saves[k], int(sizes[k])
             try:
                 write_object(arena[off:off + size], ctx.layouts[name], sv.block_ids, st.keys[k],
                              ctx.cfg.verify_checksum, ctx.codecs[name], salt=int(st.fmt.salts[i]))

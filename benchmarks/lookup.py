@@ -80,7 +80,7 @@ def main() -> None:
         pub = PoolScheduler(vllm_config, kv_cache_config, base, "kv_both")
         client = LocalBackend(LocalPoolConfig(socket=socket, start="never"), map_arena=False)
         keys = sorted({ks.key(g, layer, h) for prompts in steps for p in prompts
-                       for h in pub.request_hashes(_request("pub", p)) for ks in pub.keyspaces
+                       for h in pub.request_chain(_request("pub", p))[0] for ks in pub.keyspaces
                        for g, layer in pub.attn_layers})
         for i in range(0, len(keys), 20_000):
             batch = keys[i:i + 20_000]

@@ -6,12 +6,10 @@ import json
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -106,21 +104,6 @@ class Pool:
 
     def client(self, timeout_s: float = 1.0, **kw) -> LocalBackend:
         return LocalBackend(self.cfg(), timeout_s=timeout_s, **kw)
-
-
-@pytest.fixture
-def sockdir():
-    # Short path: Unix socket paths are limited to ~107 bytes.
-    d = tempfile.mkdtemp(prefix="asu-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def pool(sockdir):
-    p = Pool(os.path.join(sockdir, "pool.sock")).start()
-    yield p
-    p.stop()
 
 
 @pytest.fixture

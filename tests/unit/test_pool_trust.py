@@ -8,12 +8,10 @@ setpriv (tests/e2e/test_pool_trust.py has the engine-level version of each squat
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 
@@ -30,20 +28,6 @@ from tests.unit.test_local_pool import CAPACITY, Pool, _get, _put, _wait
 
 OTHER_UID = 65534
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
-
-
-@pytest.fixture
-def sockdir():
-    d = tempfile.mkdtemp(prefix="ast-", dir="/tmp")  # short: socket paths are limited
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def pool(sockdir):
-    p = Pool(os.path.join(sockdir, "pool.sock")).start()
-    yield p
-    p.stop()
 
 
 def _backend(path: str, start: str = "never", **kw) -> LocalBackend:

@@ -18,7 +18,6 @@ import torch
 from ascend_store.config import StoreConfig
 from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata
 from ascend_store.pool_worker import PoolWorker
-from tests.unit.test_local_pool import Pool, pool, sockdir  # noqa: F401 (fixtures)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from lookup import fake_vllm  # noqa: E402
@@ -43,7 +42,7 @@ def _caches(kind: str) -> dict[str, tuple[torch.Tensor, ...]]:
 
 @pytest.mark.parametrize("copy_path", ["per_block", "batched"])
 @pytest.mark.parametrize("kind", ["kv", "mla", "int8"])
-def test_tuple_caches_round_trip_byte_exact(pool, kind, copy_path):  # noqa: F811
+def test_tuple_caches_round_trip_byte_exact(pool, kind, copy_path):
     vllm_config, kv_cache_config = fake_vllm(LAYERS, BLOCK)
     kv_cache_config.num_blocks = NUM_BLOCKS
     cfg = StoreConfig.parse({"copy_path": copy_path, "local": {"socket": pool.socket, "start": "never"}})
