@@ -19,9 +19,9 @@ the host:
   after the layer wrote its KV; the headers (with the sums the copy accumulated) are
   written when the copy is done, before the objects are committed.
 
-Layers stored with the int8 codec take the same DMAs, but their pages are quantized or
-dequantized by whole-layer tensor ops (``codecs.quantize``/``dequantize``) instead of the
-copy kernel, and their word sums are computed per object.
+Layers stored with the int8 codec take the same DMAs (half the bytes); their pages are
+dequantized by one kernel per layer and quantized by whole-class tensor ops
+(int8_path.py), with word sums per object.
 
 vLLM-free, so ``benchmarks/layerwise.py`` drives exactly this code.
 """
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ascend_store.checksum import fold_sums, word_sums
-from ascend_store.codecs import dequantize, quantize
+from ascend_store import int8_path
+from ascend_store.checksum import fold_array, fold_sums
 from ascend_store.device import Device
 from ascend_store.segments import (
     WORD,
@@ -165,21 +165,32 @@ class DevicePath:
         out: list[list[int]] = [[] for _ in qs]
         if not verify:
             return out
-        alike: dict[int, list[int]] = {}
+        got = self._sums_many([q for q in qs if q.objs.stored is not None])
         for i, q in enumerate(qs):
-            if q.objs.stored is None:
-                continue
-            if q.copy is None:  # int8: per-object sums already
-                out[i] = self.check_load(q, verify)
+            if q.objs.stored is not None:
+                stored = np.asarray(q.objs.stored, dtype=np.int64)
+                out[i] = np.flatnonzero((stored >= 0) & (stored != got[id(q)])).tolist()
+        return out
+
+    def _sums_many(self, qs: list) -> dict[int, np.ndarray]:
+        """Per queued copy (by id): its objects' folded checksums, from one copy back to
+        the host per group of layers alike (sharing a page plan, or int8 with per-object
+        sums of one object count)."""
+        alike: dict[tuple, list] = {}
+        for q in qs:
+            key = (id(q.copy.obj_of_seg),) if q.copy is not None else ("int8", len(q.objs.offsets))
+            alike.setdefault(key, []).append(q)
+        out = {}
+        for group in alike.values():
+            first = group[0]
+            sums = host_array(torch.stack([q.sums for q in group]))
+            if first.copy is not None:
+                got = object_sums_many(first.copy, sums, len(first.objs.offsets))
             else:
-                alike.setdefault(id(q.copy.obj_of_seg), []).append(i)
-        for idx in alike.values():
-            first = qs[idx[0]]
-            sums = host_array(torch.stack([qs[i].sums for i in idx]))  # one copy back for the step
-            got = object_sums_many(first.copy, sums, len(first.objs.offsets))
-            stored = np.stack([np.asarray(qs[i].objs.stored, dtype=np.int64) for i in idx])
-            for row, i in enumerate(idx):
-                out[i] = np.flatnonzero((stored[row] >= 0) & (stored[row] != got[row])).tolist()
+                u = sums.astype(np.int64).view(np.uint64)
+                got = fold_array(u[..., 0], u[..., 1])
+            for row, q in enumerate(group):
+                out[id(q)] = got[row]
         return out
 
     def _load_layer(self, arena: torch.Tensor, objs: LayerObjects):
@@ -214,38 +225,20 @@ class DevicePath:
             self.dev.copy_2d(staging, int(staged[first]), width, arena, int(offs[first]), pitch, width, count)
         return staging, staged
 
-    def _size_classes(self, objs: LayerObjects):
-        """int8 moves whole payload rows, so objects of one size go together (a prompt's
-        shorter tail object is its own class): per class, the objects' indexes, their
-        block count and (object row, page, block) device index tensors of the pages moved."""
-        p = objs.plan().pages
-        sizes = np.asarray(objs.sizes, dtype=np.int64)
-        per_block = self.int8[objs.name].payload_bytes(self.layouts[objs.name], 1)
-        for size in np.unique(sizes).tolist():
-            idx = np.flatnonzero(sizes == size)
-            row = np.full(len(sizes), -1, dtype=np.int64)
-            row[idx] = np.arange(len(idx))
-            moved = (row[p.obj] >= 0) & (p.block >= 0)
-            yield idx, (size - HEADER_BYTES) // per_block, tuple(
-                torch.from_numpy(v).to(self.dev.device, non_blocking=True)
-                for v in (row[p.obj][moved], p.page[moved], p.block[moved]))
-
     def _load_int8(self, arena: torch.Tensor, objs: LayerObjects):
-        """Dequantize a layer's int8 objects into the cache with whole-layer tensor ops;
+        """Dequantize a layer's int8 objects into the cache (one kernel, int8_path.py);
         the payloads' word sums come back per object."""
-        codec, layout = self.int8[objs.name], self.layouts[objs.name]
         src, starts = self._stage(arena, objs)
         starts = np.asarray(starts, dtype=np.int64)
-        sums = torch.zeros((len(starts), 2), dtype=torch.int64, device=self.dev.device)
-        view = self.blocks_view[objs.name]
-        for idx, n, (obj, page, block) in self._size_classes(objs):
-            n_bytes = n * codec.payload_bytes(layout, 1)
-            at = starts[idx].tolist()
-            rows = torch.stack([src[s + HEADER_BYTES:s + HEADER_BYTES + n_bytes] for s in at])
-            sums[torch.from_numpy(idx).to(self.dev.device)] = word_sums(rows)
-            q, ks, vs = codec.split_rows(layout, rows, n)
-            view[block] = dequantize(q[obj, page], ks[obj, page], vs[obj, page]).to(view.dtype)
-        return None, sums
+        sizes = np.asarray(objs.sizes, dtype=np.int64)
+        layout = self.layouts[objs.name]
+        per_block = self.int8[objs.name].payload_bytes(layout, 1)
+        planner = objs.plan()
+        plan = planner.cached(
+            ("int8", layout.kv_dims, starts.tobytes(), sizes.tobytes()),
+            lambda: int8_path.int8_plan(planner.pages, starts, (sizes - HEADER_BYTES) // per_block, per_block,
+                                        layout.kv_dims[1]))
+        return None, int8_path.load_layer(src, self.blocks_view[objs.name], plan)
 
     # -- saves --------------------------------------------------------------------
     def save_layer(self, arena: torch.Tensor, objs: LayerObjects, after) -> QueuedSave:
@@ -279,21 +272,21 @@ class DevicePath:
         return QueuedSave(objs, done, sums, copy, staging)
 
     def _save_int8(self, arena: torch.Tensor, objs: LayerObjects) -> QueuedSave:
-        """Quantize a layer's blocks with whole-layer tensor ops into payload rows, sum
-        them, and move each row into its object's slot."""
+        """Quantize a layer's blocks per size class of objects (whole-class tensor ops),
+        sum the payloads, and move them into their slots with 2D copies."""
         codec, layout = self.int8[objs.name], self.layouts[objs.name]
         offsets = np.asarray(objs.offsets, dtype=np.int64)
+        sizes = np.asarray(objs.sizes, dtype=np.int64)
         sums = torch.zeros((len(offsets), 2), dtype=torch.int64, device=self.dev.device)
         keep = []
-        for idx, n, (_, _, block) in self._size_classes(objs):  # saves are whole objects
-            rows = torch.empty((len(idx), codec.payload_bytes(layout, n)), dtype=torch.uint8,
-                               device=self.dev.device)
-            quantized = quantize(self.blocks_view[objs.name][block])
-            for dst, src in zip(codec.split_rows(layout, rows, n), quantized):
-                dst.copy_(src.view(dst.shape))
-            sums[torch.from_numpy(idx).to(self.dev.device)] = word_sums(rows)
-            for off, row in zip(offsets[idx].tolist(), rows):
-                arena[off + HEADER_BYTES:off + HEADER_BYTES + row.numel()].copy_(row, non_blocking=True)
+        view = self.blocks_view[objs.name]
+        for idx, rows, got in int8_path.quantize_classes(view, sizes, objs.plan().pages, codec, layout):
+            sums[torch.from_numpy(idx).to(self.dev.device)] = got
+            width = rows.shape[1]
+            flat = rows.view(-1)
+            for first, count, pitch in _runs(offsets[idx] + HEADER_BYTES, sizes[idx] - HEADER_BYTES):
+                at = int(offsets[idx[first]]) + HEADER_BYTES
+                self.dev.copy_2d(arena, at, pitch, flat, first * width, width, width, count)
             keep.append(rows)
         return QueuedSave(objs, self.dev.record(self.save_stream), sums, None, keep)
 
@@ -302,20 +295,8 @@ class DevicePath:
         for q in qs:
             if q.done is not None:
                 q.done.synchronize()
-        out: list = [None] * len(qs)
-        alike: dict[int, list[int]] = {}
-        for i, q in enumerate(qs):
-            if q.copy is None:
-                out[i] = np.asarray(self.finish_save(q), dtype=np.int64)
-            else:
-                alike.setdefault(id(q.copy.obj_of_seg), []).append(i)
-        for idx in alike.values():
-            first = qs[idx[0]]
-            got = object_sums_many(first.copy, host_array(torch.stack([qs[i].sums for i in idx])),
-                                   len(first.objs.offsets))
-            for row, i in enumerate(idx):
-                out[i] = got[row]
-        return out
+        got = self._sums_many(qs)
+        return [got[id(q)] for q in qs]
 
     def finish_save(self, q: QueuedSave) -> list[int]:
         """Wait for a queued save; returns each object's folded word checksum."""

@@ -1,4 +1,4 @@
-"""One batched copy-and-sum per layer between a paged KV cache and staged pool objects.
+"""One batched kernel per layer between a paged KV cache and staged pool objects.
 
 A layer's blocks are copied as *segments* (a block's K part and V part in a
 FlashAttention layout, or the whole page in a block-major one) of equal size, from
@@ -6,6 +6,10 @@ arbitrary source offsets to arbitrary destination offsets, summing every word on
 way (checksum.py). On CUDA one Triton kernel copies every segment of the layer in
 device memory (the objects were staged by one DMA per run, device_path.py); elsewhere
 the same plan runs as torch copies.
+
+int8 layers load with one kernel too (``int8_load``): its programs either dequantize one
+page's K or V rows into the cache or sum one stretch of an object's payload words, so a
+layer's int8 objects land in one launch whatever their number.
 """
 
 from __future__ import annotations
@@ -37,6 +41,49 @@ if triton is not None:
         tl.atomic_add(sums + 2 * seg + 1, tl.sum(w * (idx + 1).to(tl.int64), axis=0))
 
 
+    @triton.jit
+    def _int8_load_kernel(words, bytes_, halves, dst, page_obj, page_idx, page_block, obj_start, obj_n,
+                          seg_obj, seg_word, sums, n_dequant, block_words, sb, skv, st, sh, sd,
+                          T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, TT: tl.constexpr,
+                          BHD: tl.constexpr, SEGW: tl.constexpr):
+        pid = tl.program_id(0)
+        if pid < n_dequant:  # one page's K (kv 0) or V (kv 1) rows [tc*TT, tc*TT + TT)
+            tcs = (T + TT - 1) // TT
+            p = pid // (2 * tcs)
+            kv = (pid // tcs) % 2
+            tc = pid % tcs
+            o = tl.load(page_obj + p)
+            pg = tl.load(page_idx + p)
+            blk = tl.load(page_block + p)
+            base = tl.load(obj_start + o)  # payload start, bytes (a multiple of 8)
+            n = tl.load(obj_n + o)
+            t = tc * TT + tl.arange(0, TT)
+            hd = tl.arange(0, BHD)
+            m = (t[:, None] < T) & (hd[None, :] < H * D)
+            row = ((pg * 2 + kv) * T + t[:, None]) * (H * D)
+            q = tl.load(bytes_ + base + row + hd[None, :], mask=m, other=0)
+            # fp16 elements: key scales [n, H, D], then value scales [n, T, H]
+            scales = (base + n * 2 * T * H * D) // 2
+            if kv == 0:
+                sc = tl.load(halves + scales + pg * H * D + hd, mask=hd < H * D, other=0)[None, :]
+            else:
+                sc = tl.load(halves + scales + n * H * D + pg * T * H + t[:, None] * H + hd[None, :] // D,
+                             mask=m, other=0)
+            x = q.to(tl.float32) * sc.to(tl.float32)
+            out = dst + blk * sb + kv * skv + t[:, None] * st
+            out += (hd[None, :] // D) * sh + (hd[None, :] % D) * sd
+            tl.store(out, x.to(dst.dtype.element_ty), mask=m)
+        else:  # the word sums of one stretch of an object's payload (moved pages or not)
+            s = pid - n_dequant
+            o = tl.load(seg_obj + s)
+            w0 = tl.load(seg_word + s)
+            total = tl.load(obj_n + o) * block_words
+            idx = w0 + tl.arange(0, SEGW)
+            w = tl.load(words + tl.load(obj_start + o) // 8 + idx, mask=idx < total, other=0)
+            tl.atomic_add(sums + 2 * o, tl.sum(w, axis=0))
+            tl.atomic_add(sums + 2 * o + 1, tl.sum(w * (idx + 1).to(tl.int64), axis=0))
+
+
 def copy_segments_sum(src, dst, src_offs: torch.Tensor, dst_offs: torch.Tensor, sums: torch.Tensor,
                       seg_words: int, block: int = 1024, num_warps: int = 4) -> None:
     """Copy ``len(src_offs)`` segments of ``seg_words`` 8-byte words (int64 tensors and
@@ -62,6 +109,21 @@ def copy_segments_sum_torch(src: torch.Tensor, dst: torch.Tensor, src_offs, dst_
             dst[d:d + seg_words].copy_(w)
         sums[i, 0] = w.sum()
         sums[i, 1] = (w * weights).sum()
+
+
+def int8_load(staging: torch.Tensor, view: torch.Tensor, plan, sums: torch.Tensor) -> None:
+    """Dequantize a layer's staged int8 objects into the cache and sum their payload words
+    (per object, into ``sums`` [objects, 2]) in one launch. ``staging``: uint8 device
+    memory; ``view``: the cache as [blocks, 2, T, H, D]; ``plan``: an ``Int8Plan`` with its
+    tensors on the device."""
+    n_dequant = plan.pages * 2 * plan.tcs
+    grid = (n_dequant + plan.segments,)
+    if grid[0] == 0:
+        return
+    t, h, d = view.shape[2:]
+    _int8_load_kernel[grid](staging.view(torch.int64), staging.view(torch.int8), staging.view(torch.float16),
+                            view, *plan.tensors, sums, n_dequant, plan.block_words, *view.stride(),
+                            T=t, H=h, D=d, TT=plan.tt, BHD=triton.next_power_of_2(h * d), SEGW=plan.segw)
 
 
 def _ints(offsets) -> list[int]:

@@ -144,6 +144,13 @@ class CopyPlanner:
             got = self._cache[plan] = (payload, cache, np.repeat(p.obj, per_page), seg_words)
         return got
 
+    def cached(self, key: tuple, build):
+        """A per-step plan other than a ``LayerCopy`` (int8 layers), built once per key."""
+        got = self._copies.get(key)
+        if got is None:
+            got = self._copies[key] = build()
+        return got
+
     def layer(self, plan: PagePlan, payload_offsets: np.ndarray, load: bool) -> LayerCopy:
         """``payload_offsets``: byte offset of each object's payload for this layer."""
         offs = np.asarray(payload_offsets, dtype=np.int64)

@@ -4,6 +4,7 @@ For a random-weight Llama of a given geometry (vLLM's dummy weights, the same in
 engine), prompts of 4K/16K/32K random tokens, ``max_tokens=1``, each configuration in a
 fresh engine process:
   recompute      no connector, prefix caching off
+  device-hit     no connector, vLLM's device prefix cache kept: the floor of any hit
   native         vLLM's CPU offloading (kv_offloading_backend="native"), device prefix
                  cache reset before each repetition, so the hit comes from host memory
   lmcache        LMCache (LMCacheConnectorV1, local CPU backend), prefix cache reset likewise
@@ -43,6 +44,8 @@ ASCEND = {"kv_connector": "AscendStoreConnector", "kv_connector_module_path": "a
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 CONFIGS = {
     "recompute": {},
+    # vLLM's own device prefix cache, not reset: the floor any connector's hit can reach
+    "device-hit": {"engine": {"enable_prefix_caching": True}},
     "native": {"engine": {"enable_prefix_caching": True, "kv_offloading_size": 16,
                           "kv_offloading_backend": "native"}, "reset": True},
     "lmcache": {"engine": {"enable_prefix_caching": True}, "reset": True,
@@ -96,7 +99,8 @@ def child(spec: dict) -> None:
         kv = dict(conf["kv"])
         if kv.get("kv_connector") == "AscendStoreConnector":
             extra = dict(kv.get("kv_connector_extra_config", {}))
-            extra["local"] = {"socket": os.path.join(spec["tmp"], "pool.sock"), "capacity": "24GiB"}
+            extra["local"] = {"socket": os.path.join(spec["tmp"], "pool.sock"),
+                              "capacity": "24GiB" if spec.get("gpu", True) else "2GiB"}
             kv["kv_connector_extra_config"] = extra
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
     llm = LLM(**kwargs)

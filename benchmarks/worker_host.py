@@ -24,11 +24,13 @@ trips per step are counted too.
     python benchmarks/worker_host.py [--tokens 8192 32768] [--geometry qwen2.5-7b/b16]
                                      [--copy-path batched per_block] [--repeat 5]
                                      [--device-work real|skip] [--checkouts DIR ...]
+                                     [--profile FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import itertools
 import os
@@ -96,7 +98,7 @@ def engine_parts(layers: int, kv_heads: int, head_dim: int, block: int, num_bloc
 
 
 def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, timers: Timers,
-        skip_device: bool) -> dict:
+        skip_device: bool, profiler=None) -> dict:
     layers, kv_heads, head_dim, block = GEOMETRIES[geometry]
     blocks = tokens // block
     vllm_config, kv_cache_config, caches = engine_parts(layers, kv_heads, head_dim, block, 2 * blocks + 1)
@@ -140,8 +142,13 @@ def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, ti
         for kind, fn in (("save", do_save), ("load", do_load)):
             timers.take()
             rpcs = worker.backend.rpcs
+            profiling = profiler is not None and r > 0
+            if profiling:
+                profiler.enable()
             t0 = time.perf_counter()
             fn()
+            if profiling:
+                profiler.disable()
             out[kind].append({"wall": time.perf_counter() - t0, **timers.take(),
                               "rpcs": worker.backend.rpcs - rpcs})
         if out["failed"] and kernels.copy_segments_sum_torch is real_copy:
@@ -194,6 +201,8 @@ def main() -> None:
     ap.add_argument("--checkouts", nargs="*", default=[],
                     help="other checkouts of this project to measure in the same run (own processes)")
     ap.add_argument("--label", default="this")
+    ap.add_argument("--profile", metavar="FILE",
+                    help="cProfile the timed steps after the first round (hooks and pool calls only)")
     args = ap.parse_args()
     for other in args.checkouts:
         argv = [a for a in sys.argv[1:] if a not in args.checkouts and a != "--checkouts"]
@@ -208,6 +217,7 @@ def main() -> None:
                                "--capacity", str(cap)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               env={**os.environ, "PYTHONPATH": sys.path[0]})
     timers = Timers()
+    profiler = cProfile.Profile() if args.profile else None
     for owner, name in DEVICE_WORK:
         timers.wrap(owner, name, "device")
     try:
@@ -216,7 +226,10 @@ def main() -> None:
         for g in args.geometry:
             for t in args.tokens:
                 for path in args.copy_path:
-                    report(run(g, t, path, args.repeat, sock, timers, args.device_work == "skip"), args.label)
+                    report(run(g, t, path, args.repeat, sock, timers, args.device_work == "skip", profiler),
+                           args.label)
+        if profiler is not None:
+            profiler.dump_stats(args.profile)
     finally:
         server.terminate()
         server.wait()
