@@ -5,13 +5,19 @@ round trips of these layouts belong to the worker's tuple-cache tests."""
 
 from __future__ import annotations
 
+import ast
 import sys
 import types
 
 import pytest
 import torch
 
+from ascend_store.config import ConfigError
+from ascend_store.keys import ENGINE_SCALED_KV_DTYPE, identity_from_vllm
 from tests.contract.conftest import distributions
+
+INT8_BACKEND = "vllm_ascend_quantized_kv_cache/methods/int8_dynamic/attention_backend.py"
+INT8_SELECT = "vllm_ascend_quantized_kv_cache/adapters/vllm_ascend_hust/backend.py"
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +65,50 @@ def test_triattention_compacts_selected_tokens_into_other_blocks(plugins):
     # The request's blocks now hold a token subset: its KV no longer matches the prefix
     # its token ids hash to, which is why the plugin withholds prefix hashes from it.
     assert not torch.equal(k[dst].reshape(-1, heads, dim)[:5], flat_src[:5])
+
+
+def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
+    found = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
+    assert len(found) == 1, f"{name} not found once"
+    return found[0]
+
+
+def test_int8_plugin_scales_are_per_engine_layer_state_so_the_connector_refuses_it():
+    """Where the INT8 plugin keeps its scales, from its real source (its attention backend
+    imports vllm_ascend, so it is read, not imported): ``_prepare_int8_scales`` returns
+    at once when ``layer._int8_scales_ready``, else sets ``layer._int8_{k,v}_inv_scale`` /
+    ``_offset`` from this forward's key/value amax and marks the layer ready. So the scales
+    are attributes of each attention layer, computed once per engine from its first
+    prefill: not model constants, and not per-block data in the paged cache (which stays
+    the (key_cache, value_cache) pair of int8 pages). Like vLLM's calculate_kv_scales, the
+    connector refuses that dtype at start. If the plugin moves its scales (into the cache,
+    or to checkpoint constants), this fails and the decision is to be revisited."""
+    [dist] = distributions("vllm_ascend_quantized_kv_cache-*.whl")
+    tree = dist.tree(INT8_BACKEND)
+    prepare = _function(tree, "_prepare_int8_scales")
+    guard = prepare.body[0]
+    assert isinstance(guard, ast.If) and isinstance(guard.body[0], ast.Return), \
+        f"{INT8_BACKEND}:{prepare.lineno}: scales no longer computed once per layer"
+    assert ast.unparse(guard.test) == "getattr(layer, '_int8_scales_ready', False)"
+    set_on_layer = {t.attr for n in ast.walk(prepare) if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Attribute) and getattr(t.value, "id", "") == "layer"}
+    assert {"_int8_k_inv_scale", "_int8_v_inv_scale", "_int8_k_offset", "_int8_v_offset",
+            "_int8_scales_ready"} <= set_on_layer
+    body = ast.unparse(prepare)
+    assert "key.abs().amax(dim=0, keepdim=True)" in body and "value.abs().amax(dim=0, keepdim=True)" in body
+    # The paged cache the connector is handed: two parts, K and V; nothing else is written to it.
+    forward = ast.unparse(_function(tree, "forward"))
+    assert "self.key_cache, self.value_cache = (kv_cache[0], kv_cache[1])" in forward
+    assert "scale" not in "".join(ast.unparse(t) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                                  for t in n.targets if "cache" in ast.unparse(t))
+    # The plugin is selected by exactly the dtype the connector refuses.
+    select = _function(dist.tree(INT8_SELECT), "_require_int8_cache_dtype")
+    [cmp] = [n for n in ast.walk(select) if isinstance(n, ast.Compare)]
+    assert ast.unparse(cmp) == f"cache_dtype != {ENGINE_SCALED_KV_DTYPE!r}"
+    cfg = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
+        cache_config=types.SimpleNamespace(block_size=128, cache_dtype=ENGINE_SCALED_KV_DTYPE),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
+        device_config=types.SimpleNamespace(device_type="npu"))
+    with pytest.raises(ConfigError, match="vllm-ascend-quantized-kv-cache"):
+        identity_from_vllm(cfg, 256)
