@@ -34,6 +34,7 @@ FORMAT_VERSION = 1
 _SEED = b"ascend-store/v1"
 KEY_RE = re.compile(r"[A-Za-z0-9._:/-]{1,256}")  # used with fullmatch
 _LAYER_NUM = re.compile(r"\.(\d+)\.")
+ENGINE_SCALED_KV_DTYPE = "int8"  # the INT8 KV cache plugin's --kv-cache-dtype (not vLLM's own)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,14 @@ def identity_from_vllm(vllm_config, chunk_size: int, codec: str = "raw") -> Mode
             "ascend-store: cache_config.calculate_kv_scales=True computes KV scales per engine, so "
             "pool objects could not be shared between engines; use static KV scales "
             "(calculate_kv_scales=False) or run without the connector (docs/config.md)")
+    if str(cc.cache_dtype) == ENGINE_SCALED_KV_DTYPE:
+        # vllm-ascend-quantized-kv-cache: the same per-engine scales, kept on each attention
+        # layer (docs/ascend.md): int8 pages of one engine decode wrongly in another.
+        raise ConfigError(
+            f"ascend-store: kv_cache_dtype={ENGINE_SCALED_KV_DTYPE!r} (vllm-ascend-quantized-kv-cache) "
+            "quantizes with scales each engine computes from its first prefill, so pool objects could not "
+            "be shared between engines; use an unquantized or statically scaled KV cache, or run without the "
+            "connector (docs/ascend.md)")
     return ModelIdentity(
         model=normalize_model_name(str(mc.model)),
         revision=str(mc.revision or ""),

@@ -42,13 +42,18 @@ from ascend_store.stats import AscendStoreStats, IntervalCounters
 log = logging.getLogger("ascend_store")
 STATE_TAG = "state/"  # hit-cache entries for a chunk's recurrent state (hybrid models)
 TAIL_TAG = "tail/"  # hit-cache entries for a prompt's partial last chunk
+# vllm-ascend-kvcompress-hust (TriAttention) marks the requests it compacts by attaching its
+# plans, {request id: plan}, to the scheduler output once vLLM's schedule() returns, i.e.
+# after this connector built that step's metadata: they are read at the next step.
+KVCOMPRESS_PLANS = "_ascend_kvcompress_plans_v4"
 
 
 def is_compacted(request) -> bool:
     """The compaction contract (docs/codecs.md): a token-eviction method that drops KV of
     a request marks it with ``kv_compacted: True`` in the request's ``kv_transfer_params``
     or in its sampling params' ``extra_args``. Such KV no longer matches its token prefix,
-    so it is never published under prefix keys."""
+    so it is never published under prefix keys. (The TriAttention plugin's own mark is read
+    from the scheduler output: ``KVCOMPRESS_PLANS``.)"""
     for params in (getattr(request, "kv_transfer_params", None),
                    getattr(getattr(request, "sampling_params", None), "extra_args", None)):
         if isinstance(params, dict) and params.get("kv_compacted"):
@@ -68,6 +73,7 @@ class _Request:
     tail_hit: tuple[str, int] | None = None  # (partial hash, blocks) the pool served past pool_hit
     tail_saved: bool = False
     extras: KeyExtras | None = None  # what names the request's KV besides its tokens
+    compacted: bool = False  # the TriAttention plugin planned to compact its KV
 
 
 class PoolScheduler:
@@ -93,6 +99,7 @@ class PoolScheduler:
         lc = cfg.lookup_cache
         self.hit_cache = BlockHitCache(lc.ttl_s, lc.max_entries) if lc.enabled and self.can_load else None
         self._reqs: dict[str, _Request] = {}
+        self._last_output = None  # the previous step's scheduler output (KVCOMPRESS_PLANS)
         self.counters = IntervalCounters()
 
     # -- lookup ---------------------------------------------------------------
@@ -248,6 +255,11 @@ class PoolScheduler:
     # -- per step -------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
         meta = StepMetadata()
+        for out in (self._last_output, scheduler_output):
+            for req_id in getattr(out, KVCOMPRESS_PLANS, None) or ():
+                if req_id in self._reqs:
+                    self._reqs[req_id].compacted = True
+        self._last_output = scheduler_output
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is None:
@@ -280,7 +292,7 @@ class PoolScheduler:
                     meta: StepMetadata) -> None:
         if not self.can_save:
             return
-        if is_compacted(state.request):
+        if state.compacted or is_compacted(state.request):
             self.counters["compacted_skips"] += 1
             return
         done = min(len(state.hashes), computed_after_step // self.chunk)

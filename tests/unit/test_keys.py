@@ -345,3 +345,19 @@ def test_dynamic_kv_scales_are_refused_with_the_reason():
         identity_from_vllm(cfg, 16)
     cfg.cache_config.calculate_kv_scales = False
     assert identity_from_vllm(cfg, 16).kv_cache_dtype == "fp8"
+
+
+def test_int8_plugin_kv_cache_is_refused_with_the_reason():
+    """vllm-ascend-quantized-kv-cache's ``int8`` cache: scales per engine (docs/ascend.md)."""
+    from ascend_store.config import ConfigError
+    from ascend_store.keys import identity_from_vllm
+
+    cfg = SimpleNamespace(
+        model_config=SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
+        cache_config=SimpleNamespace(block_size=128, cache_dtype="int8"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        device_config=SimpleNamespace(device_type="npu"))
+    with pytest.raises(ConfigError, match="kv_cache_dtype='int8'.*first prefill"):
+        identity_from_vllm(cfg, 256)
+    cfg.cache_config.cache_dtype = "bfloat16"
+    assert identity_from_vllm(cfg, 256).kv_cache_dtype == "bfloat16"
