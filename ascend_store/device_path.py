@@ -12,9 +12,9 @@ the host:
 - load: ``queue_load`` queues a layer's copy and returns its event, with no host wait;
   the worker queues every layer before the forward and ``wait_for_layer_load`` makes the
   compute stream wait on that layer's event. ``check_load`` compares the sums once the
-  copy is done (at the end of the step), and a mismatch becomes a failed load. Staging
-  memory is allocated on the load stream and freed as soon as a copy is queued: the
-  caching allocator hands it to the next layer, whose copy runs after on that stream.
+  copy is done (at the end of the step), and a mismatch becomes a failed load. The DMAs
+  run on a stage stream into two staging buffers used in turn, the kernels on the load
+  stream: the copy engine fills one buffer while a kernel drains the other.
 - save: the copy of a layer starts from an event recorded on the compute stream right
   after the layer wrote its KV; the headers (with the sums the copy accumulated) are
   written when the copy is done, before the objects are committed.
@@ -116,7 +116,11 @@ class DevicePath:
                 words[storage.data_ptr()] = storage_words(layout.tensor)
         self.words = {name: words[lay.tensor.untyped_storage().data_ptr()] for name, lay in layouts.items()}
         self.load_stream = self.dev.stream()
+        self.stage_stream = self.dev.stream()  # loads' DMAs, ahead of the load stream's kernels
         self.save_stream = self.dev.stream()
+        self._ring: list[list] = [[None, None], [None, None]]  # staging buffer, event of its last reader
+        self._next = 0
+        self._slot: list | None = None
         self._arena: tuple[object, object, torch.Tensor] | None = None  # (epoch, view, bytes)
 
     # -- the arena ----------------------------------------------------------------
@@ -137,11 +141,16 @@ class DevicePath:
 
     # -- loads --------------------------------------------------------------------
     def queue_load(self, arena: torch.Tensor, objs: LayerObjects) -> QueuedLoad:
-        """Queue one layer's copy from the arena into the cache on the load stream; the
-        forward may use the layer once its stream waits on the returned ``done`` event."""
+        """Queue one layer's copy from the arena into the cache (DMA on the stage stream,
+        kernel on the load stream); the forward may use the layer once its stream waits
+        on the returned ``done`` event."""
         with self.dev.use(self.load_stream):
             copy, sums = self._load_layer(arena, objs)
-            return QueuedLoad(objs, self.dev.record(self.load_stream), sums, copy)
+            done = self.dev.record(self.load_stream)
+            if self._slot is not None:
+                self._slot[1] = done  # the slot's next DMA waits for this kernel
+                self._slot = None
+            return QueuedLoad(objs, done, sums, copy)
 
     def check_load(self, q: QueuedLoad, verify: bool) -> list[int]:
         """Wait for a queued load; the indexes of objects whose word checksum does not
@@ -219,11 +228,29 @@ class DevicePath:
         sizes = np.asarray(objs.sizes, dtype=np.int64)
         slot = -(-sizes // WORD) * WORD
         staged = np.cumsum(slot) - slot
-        staging = torch.empty(int(slot.sum()), dtype=torch.uint8, device=self.dev.device)
-        for first, count, pitch in _runs(offs, sizes):
-            width = int(slot[first])
-            self.dev.copy_2d(staging, int(staged[first]), width, arena, int(offs[first]), pitch, width, count)
+        staging = self._ring_slot(int(slot.sum()))
+        with self.dev.use(self.stage_stream):
+            for first, count, pitch in _runs(offs, sizes):
+                width = int(slot[first])
+                at = int(staged[first])
+                self.dev.copy_2d(staging, at, width, arena, int(offs[first]), pitch, width, count)
+            self.dev.wait(self.dev.record(self.stage_stream), self.load_stream)
         return staging, staged
+
+    def _ring_slot(self, nbytes: int) -> torch.Tensor:
+        """The next of two staging buffers, once the kernel that last read it is done:
+        while one layer's kernel reads a buffer the copy engine fills the other, so the
+        link never waits for a kernel. The buffers grow to the largest layer seen."""
+        self._next = (self._next + 1) % len(self._ring)
+        entry = self._ring[self._next]
+        if entry[0] is None or entry[0].numel() < nbytes:
+            if entry[0] is not None:  # still read or written by queued work: free it after that
+                entry[0].record_stream(self.stage_stream)
+            entry[0] = torch.empty(nbytes, dtype=torch.uint8, device=self.dev.device)
+        if entry[1] is not None:
+            self.dev.wait(entry[1], self.stage_stream)
+        self._slot = entry
+        return entry[0][:nbytes]
 
     def _load_int8(self, arena: torch.Tensor, objs: LayerObjects):
         """Dequantize a layer's int8 objects into the cache (one kernel, int8_path.py);

@@ -19,12 +19,13 @@ at the end). For each case, in one run:
 
 Runs with torch, triton and this package only (no vLLM):
     python benchmarks/layerwise.py [--cached 4096 16384 32768] [--new 512 2048] [--geometry ...]
-                                   [--json out.json]
+                                   [--codec raw int8] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import mmap
 import os
@@ -89,16 +90,16 @@ def sync(dev) -> None:
         torch.cuda.synchronize()
 
 
-def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda") -> dict:
+def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_name: str = "raw") -> dict:
     dev = torch.device(device)
     nblocks = cached // BLOCK
     caches = [torch.zeros(2, nblocks + 8, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
               for _ in range(LAYERS)]
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     layouts = {n: LayerLayout(c, 1, (KV_HEADS, BLOCK, HEAD_DIM)) for n, c in zip(names, caches)}
-    path = DevicePath(dev, layouts)
-    raw = get_codec("raw")
-    per_obj = object_bytes(layouts[names[0]], CHUNK_BLOCKS, raw)  # one layer's part of a chunk object
+    codec = get_codec(codec_name)
+    path = DevicePath(dev, layouts, {n: codec for n in names})
+    per_obj = object_bytes(layouts[names[0]], CHUNK_BLOCKS, codec)  # one layer's part of a chunk object
     obj = aligned(per_obj * LAYERS)  # a chunk object: every layer's part
     nobj = nblocks // CHUNK_BLOCKS
     size = obj * nobj
@@ -116,11 +117,11 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda") -> dict
         offs = [c * obj + li * per_obj for c in range(nobj)]
         objs = LayerObjects(name, offs, [per_obj] * nobj, chunks, [0] * nobj,
                             [f"k/L{li}/{c}" for c in range(nobj)], planner=planner)
-        filler_path = DevicePath(dev, {name: filler})
+        filler_path = DevicePath(dev, {name: filler}, {name: codec})
         q = filler_path.save_layer(arena, objs, None)
         objs.stored = filler_path.finish_save(q)  # what the worker reads from the headers
         for off, s in zip(offs, objs.stored):
-            seal(arena[off:off + per_obj], per_obj - HEADER_BYTES, layouts[name], "k", raw, True, wsum=s)
+            seal(arena[off:off + per_obj], per_obj - HEADER_BYTES, layouts[name], "k", codec, True, wsum=s)
         layers.append(objs)
     kv_bytes = 2 * nblocks * BLOCK * KV_HEADS * HEAD_DIM * 2 * LAYERS
 
@@ -156,7 +157,8 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda") -> dict
         sync(dev)
         return time.perf_counter() - t0
 
-    saver = DevicePath(dev, layouts)  # saves go to a second arena: the loads' stays intact
+    # Saves go to a second arena: the loads' stays intact.
+    saver = DevicePath(dev, layouts, {n: codec for n in names})
     save_map = mmap.mmap(-1, size)
     save_arena = saver.arena(0, save_map)
 
@@ -210,21 +212,22 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the same code (slow)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--geometry", nargs="+", default=list(GEOMETRIES), choices=list(GEOMETRIES))
+    ap.add_argument("--codec", nargs="+", default=["raw"], choices=["raw", "int8"],
+                    help="int8: half the bytes over the link; the ceiling stays the raw bytes' copy")
     args = ap.parse_args()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"{name}; objects of {CHUNK_TOKENS} tokens, bf16, checksums on")
-    cols = ("geometry", "cached", "new", "kv_gb", "ceiling_gbs", "load_gbs", "load_pct_ceiling", "save_gbs",
-            "save_pct_ceiling", "load_ms", "compute_ms", "overlap_ms", "hidden_pct")
+    cols = ("geometry", "codec", "cached", "new", "kv_gb", "ceiling_gbs", "load_gbs", "load_pct_ceiling",
+            "save_gbs", "save_pct_ceiling", "load_ms", "compute_ms", "overlap_ms", "hidden_pct")
     print(" ".join(f"{c:>16}" for c in cols))
     rows = []
     for geometry in args.geometry:
         use(geometry)
-        for cached in args.cached:
-            for new in args.new:
-                r = {"geometry": geometry, **run_case(cached, new, args.reps, args.device)}
-                rows.append(r)
-                print(" ".join(f"{r[c]:>16.2f}" if isinstance(r[c], float) else f"{r[c]:>16}" for c in cols),
-                      flush=True)
+        for codec, cached, new in itertools.product(args.codec, args.cached, args.new):
+            r = {"geometry": geometry, "codec": codec, **run_case(cached, new, args.reps, args.device, codec)}
+            rows.append(r)
+            print(" ".join(f"{r[c]:>16.2f}" if isinstance(r[c], float) else f"{r[c]:>16}" for c in cols),
+                  flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "rows": rows}, f, indent=1)
