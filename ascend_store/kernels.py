@@ -64,12 +64,14 @@ if triton is not None:
             q = tl.load(bytes_ + base + row + hd[None, :], mask=m, other=0)
             # fp16 elements: key scales [n, H, D], then value scales [n, T, H]
             scales = (base + n * 2 * T * H * D) // 2
-            if kv == 0:
-                sc = tl.load(halves + scales + pg * H * D + hd, mask=hd < H * D, other=0)[None, :]
-            else:
-                sc = tl.load(halves + scales + n * H * D + pg * T * H + t[:, None] * H + hd[None, :] // D,
-                             mask=m, other=0)
-            x = q.to(tl.float32) * sc.to(tl.float32)
+            # K: one scale per channel, for every row; V: one per token and head. Both are
+            # read (a few hundred bytes) and one is kept: no branch, no mixed masks.
+            ks = tl.load(halves + scales + pg * H * D + hd, mask=hd < H * D, other=0).to(tl.float32)
+            vs = tl.load(halves + scales + n * H * D + pg * T * H + t[:, None] * H + hd[None, :] // D,
+                         mask=m, other=0).to(tl.float32)
+            is_k = (kv == 0).to(tl.float32)
+            sc = ks[None, :] * is_k + vs * (1.0 - is_k)
+            x = q.to(tl.float32) * sc
             out = dst + blk * sb + kv * skv + t[:, None] * st
             out += (hd[None, :] // D) * sh + (hd[None, :] % D) * sd
             tl.store(out, x.to(dst.dtype.element_ty), mask=m)
