@@ -143,8 +143,6 @@ class LocalPoolConfig:
                   trusted_uid=r.take("trusted_uid", None, int),
                   disk_path=os.path.abspath(disk_path) if disk_path else None,
                   disk_capacity=disk_capacity)
-        if cfg.disk_path is not None and cfg.disk_capacity <= 0:
-            raise ConfigError(f"local.disk_capacity: must be > 0 with a disk_path, got {cfg.disk_capacity}")
         if cfg.trusted_uid is not None and cfg.trusted_uid < 0:
             raise ConfigError(f"local.trusted_uid: must be a uid >= 0, got {cfg.trusted_uid}")
         r.finish(cls.KEYS)
