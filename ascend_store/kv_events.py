@@ -49,15 +49,15 @@ class KVEventFeed:
     def take(self) -> list:
         try:
             reply = self.backend.events(self._cursor)
+            if reply is not None and reply["epoch"] != self._epoch and self._cursor:
+                reply = self.backend.events(0)  # a restarted pool: its log starts again
         except BackendUnavailable:
             return []
         if reply is None:
             return []
         if reply["epoch"] != self._epoch:
-            if self._epoch is not None:  # its log starts again; what it held is not named
-                log.info("KV events: the pool restarted; its earlier objects are not reported removed")
-                if self._cursor:
-                    reply = self.backend.events(0)
+            if self._epoch is not None:
+                log.info("KV events: the pool restarted; what it held in memory is not reported removed")
             self._epoch = reply["epoch"]
         self._cursor = reply["cursor"]
         if reply["lost"]:

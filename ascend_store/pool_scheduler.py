@@ -27,7 +27,6 @@ from ascend_store import kv_events, seams
 from ascend_store.backends import BackendUnavailable, create_backend
 from ascend_store.config import StoreConfig
 from ascend_store.hit_cache import BlockHitCache
-from ascend_store.kv_events import KVEventFeed
 from ascend_store.keys import (
     KeyExtras,
     KeySpace,
@@ -96,7 +95,7 @@ class PoolScheduler:
         self._reqs: dict[str, _Request] = {}
         self.counters = IntervalCounters()
         # The pool's tier events as vLLM KV events (kv_events.py): one pool call per step, when on.
-        self.kv_events = KVEventFeed(self.backend, identity.namespace(), self.chunk) \
+        self.kv_events = kv_events.KVEventFeed(self.backend, identity.namespace(), self.chunk) \
             if self.backend is not None and kv_events.enabled(vllm_config) else None
 
     # -- lookup ---------------------------------------------------------------

@@ -104,7 +104,8 @@ def _round(directory: str, keys, views, view, size: int, total: int) -> dict[str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir in /var/tmp)")
+    ap.add_argument("--dir", default=None,
+                    help="directory on the disk to measure (default: a temp dir in /var/tmp)")
     ap.add_argument("--objects", type=int, default=64)
     ap.add_argument("--object-mib", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds (medians are printed)")

@@ -5,7 +5,8 @@
 # token is the pool's). Run 1 of the long-doc-qa workload: its warm-up requests miss, its queries
 # hit the memory tier. The pool is then restarted on the same disk directory (a graceful stop
 # writes its memory tier to disk), so in run 2 (the same documents) the warm-up requests hit the
-# disk tier, and its queries hit what those promoted back into memory.
+# disk tier (its files dropped from the page cache first), and its queries hit what those
+# promoted back into memory.
 #   bash benchmarks/tier_ttft.sh [OUT_DIR]     (about 3 minutes on 2 cores; run under the lock)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -31,7 +32,13 @@ BENCH=(--url "http://127.0.0.1:$PORT" --workload long-doc-qa --docs 6 --doc-toke
 echo "== run 1: warm-up = miss, query = memory hit"
 $PY -m ascend_store.cli bench "${BENCH[@]}" --json "$OUT/run1.json"
 $PY -m ascend_store.cli pool status --socket "$SOCK" > "$OUT/status1.json"
-stop_pool; pool; wait_pool
-echo "== run 2 (pool restarted): warm-up = disk hit, query = memory hit"
+stop_pool
+# Cold disk hits: the files leave the page cache (fsync + POSIX_FADV_DONTNEED) before the restart.
+$PY -c 'import os, sys
+for n in os.listdir(sys.argv[1]):
+    fd = os.open(os.path.join(sys.argv[1], n), os.O_RDONLY); os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)' "$OUT/disk"
+pool; wait_pool
+echo "== run 2 (pool restarted): warm-up = disk hit (cold files), query = memory hit"
 $PY -m ascend_store.cli bench "${BENCH[@]}" --json "$OUT/run2.json"
 $PY -m ascend_store.cli pool status --socket "$SOCK" | tee "$OUT/status2.json" | grep -E '"(promoted|spilled|objects)"'

@@ -122,7 +122,8 @@ def test_disk_tier_restart_corruption_and_kv_events(tmp_path, model):
 
         pool.stop()  # writes the memory tier to disk
         victim = chunk_hashes(prompts[0], BLOCK)[-1]  # the last chunk of prompt 0
-        path = next(os.path.join(pool.disk, file_name(k)) for k in _disk_keys(pool.disk) if k.endswith(victim))
+        path = next(os.path.join(pool.disk, file_name(k))
+                    for k in _disk_keys(pool.disk) if k.endswith(victim))
         with open(path, "r+b") as f:
             f.seek(-100, os.SEEK_END)
             f.write(b"\xff" * 8)

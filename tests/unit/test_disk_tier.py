@@ -28,8 +28,8 @@ def disk_pool(sockdir):
     pools = []
 
     def start(disk_capacity: str = "4MiB") -> Pool:
-        p = Pool(os.path.join(sockdir, "pool.sock"), capacity="1MiB",
-                 extra=("--disk-path", os.path.join(sockdir, "disk"), "--disk-capacity", disk_capacity)).start()
+        disk = ("--disk-path", os.path.join(sockdir, "disk"), "--disk-capacity", disk_capacity)
+        p = Pool(os.path.join(sockdir, "pool.sock"), capacity="1MiB", extra=disk).start()
         pools.append(p)
         return p
 
@@ -139,8 +139,8 @@ def test_status_shows_both_tiers_and_one_pool_per_directory(disk_pool, sockdir):
     c = pool.client()
     _fill(c, 15)
     c.close()
-    out = subprocess.run([sys.executable, "-m", "ascend_store.cli", "pool", "status", "--socket", pool.socket],
-                         capture_output=True, text=True, check=True)
+    cmd = [sys.executable, "-m", "ascend_store.cli", "pool", "status", "--socket", pool.socket]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     st = json.loads(out.stdout)
     assert st["used_bytes"] > 0 and st["disk"]["objects"] == st["spilled"] == 5, st
     other = subprocess.run([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket",

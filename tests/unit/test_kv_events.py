@@ -59,3 +59,21 @@ def test_event_log_reports_what_a_slow_reader_lost():
     got = log.since(0)
     assert got["lost"] == 2 and got["event_keys"] == ["k2", "k3", "k4", "k5"] and got["cursor"] == 6
     assert log.since(6)["event_keys"] == [] and log.since(99)["lost"] == 2  # another epoch's cursor
+
+
+def test_feed_follows_a_restarted_pool(sockdir):
+    """After a restart the feed reads the new log from its start: what the pool found on disk."""
+    disk = ("--disk-path", os.path.join(sockdir, "disk"), "--disk-capacity", "4MiB")
+    pool = Pool(os.path.join(sockdir, "pool.sock"), capacity="1MiB", extra=disk).start()
+    try:
+        c = pool.client()
+        feed = KVEventFeed(c, NS, chunk_tokens=256)
+        for i in range(3):
+            _put(c, _key(i), b"k" * 1024)
+        assert _tally(feed.take())[("BlockStored", "CPU", 0)] == [0, 1, 2]
+        pool.stop()  # writes the memory tier to disk
+        pool.start()
+        assert _tally(feed.take()) == {("BlockStored", "DISK", 0): [0, 1, 2]}
+        c.close()
+    finally:
+        pool.stop()

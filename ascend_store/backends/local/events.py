@@ -45,4 +45,5 @@ class EventLog:
                 "event_keys": [k for _, k in entries]}
 
     def stats(self) -> dict:
-        return {f"{('stored', 'removed')[c // 2]}_{MEDIA[c % 2].lower()}": n for c, n in enumerate(self.counts)}
+        kinds = ("stored", "removed")
+        return {f"{kinds[c // 2]}_{MEDIA[c % 2].lower()}": n for c, n in enumerate(self.counts)}

@@ -6,7 +6,8 @@ Reply:    {"ok": bool, "epoch": str, "gone": int, "gone_keys": bytes | None,
 ``since`` is how many deleted objects the client has heard of; the reply's ``gone_keys``
 names those deleted after them (object digests, 8 bytes each: base.object_digest), or is
 None when the pool no longer remembers them all. ``events`` answers the event log's
-entries after ``cursor`` (events.py): ``cursor``, ``lost``, ``codes`` (bytes), ``event_keys``. Both directions are size-bounded: a
+entries after ``cursor`` (events.py): ``cursor``, ``lost``, ``codes`` (bytes),
+``event_keys``. Both directions are size-bounded: a
 client decodes a reply under limits too, so a pool cannot make it allocate without end.
 """
 
