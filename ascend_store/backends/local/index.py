@@ -5,7 +5,9 @@ written (reserved, invisible to readers, freed if not committed in time) or read
 Leases pin a ready object against eviction and removal while a reader copies it out;
 a lease that is not released within its TTL is dropped, so a dead client cannot pin
 memory forever. Every ready object that goes (evicted or removed) is counted in ``gone``
-and its digest kept in a ring, so a client's cache can drop exactly what went.
+and its digest kept in a ring, so a client's cache can drop exactly what went. With a disk
+tier (tiers.py) the ``spill`` hook keeps an eviction victim on disk, and such an object is
+not gone. Commits and deletions are logged for KV events (events.py).
 """
 
 from __future__ import annotations
