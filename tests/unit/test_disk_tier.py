@@ -1,6 +1,6 @@
 """The local pool's disk tier on real pool processes: spill, promote, restart, corruption, capacity.
 
-About 6 s in all (each test starts one or two pool processes of a 1 MiB arena)."""
+About 8 s in all (each test starts one or two pool processes of a 1 MiB arena)."""
 
 from __future__ import annotations
 

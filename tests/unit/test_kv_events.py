@@ -1,6 +1,6 @@
 """The scheduler's KV event feed (kv_events.py) against a real pool process with a disk tier:
 the pool's event log becomes vLLM's BlockStored / BlockRemoved with the tier as medium.
-About 2 s (one pool process)."""
+About 10 s (a pool process per test; importing vLLM's event types is most of it)."""
 
 from __future__ import annotations
 
