@@ -147,3 +147,19 @@ def test_status_shows_both_tiers_and_one_pool_per_directory(disk_pool, sockdir):
                             os.path.join(sockdir, "b.sock"), "--capacity", "1MiB",
                             "--disk-path", os.path.join(sockdir, "disk")], capture_output=True, text=True)
     assert other.returncode == 2 and "used by another running pool" in other.stderr
+
+
+def test_an_engine_started_pool_gets_the_configured_disk_tier(sockdir):
+    from ascend_store.backends.local.client import LocalBackend
+    from ascend_store.config import LocalPoolConfig
+
+    disk = os.path.join(sockdir, "edisk")
+    cfg = LocalPoolConfig(socket=os.path.join(sockdir, "e.sock"), capacity=2**20, start="auto",
+                          disk_path=disk, disk_capacity=3 * 2**20)
+    c = LocalBackend(cfg, timeout_s=2.0)  # starts the pool as an engine would (launcher.ensure_pool)
+    try:
+        _fill(c, 12)
+        st = c.stats()["disk"]
+        assert st["path"] == disk and st["capacity"] == 3 * 2**20 and st["objects"] >= 2, st
+    finally:
+        c.close()
