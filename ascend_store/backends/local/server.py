@@ -2,7 +2,8 @@
 
 One thread serves a ZeroMQ ROUTER socket on a Unix socket (mode 0600, in a private
 directory: trust.py). Clients map the arena file themselves and copy bytes in and out;
-the server only hands out offsets, so no KV byte ever crosses the socket. The arena
+the server only hands out offsets, so no KV byte ever crosses the socket. With a disk
+tier (tiers.py) the server maps the arena too, to spill and promote objects. The arena
 (arena.py) is created 0600 and fully backed, locked while the pool lives and removed on
 every exit the pool sees (SIGTERM, SIGINT, SIGHUP, its parent's death); arenas of pools
 that died unseen are collected when a pool starts (see docs/reliability.md: every client
@@ -56,11 +57,10 @@ class PoolServer:
         arena_dir = _arena_dir(self.socket_path, capacity)
         arena.gc_arenas(arena_dir)  # arenas of pools that died without removing theirs
         self.arena_path, self._arena_fd = arena.create(arena_dir, arena.name(tag, self.epoch), capacity)
-        self._map = None
         try:
             if disk_path:  # the server itself copies only between the arena and the disk tier
-                self._map = mmap.mmap(self._arena_fd, capacity)
-                self.index = TieredIndex(capacity, memoryview(self._map), DiskTier(disk_path, disk_capacity),
+                view = memoryview(mmap.mmap(self._arena_fd, capacity))
+                self.index = TieredIndex(capacity, view, DiskTier(disk_path, disk_capacity),
                                          lease_ttl_s=lease_ttl_s)
             else:
                 self.index = PoolIndex(capacity, lease_ttl_s=lease_ttl_s)
