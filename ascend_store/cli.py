@@ -99,6 +99,12 @@ def _parser() -> _Parser:
                        "unless --force")
     serve.add_argument("--lease-ttl", type=_seconds, default=30.0, metavar="SECONDS",
                        help="a reader's lease on an object expires after this long")
+    serve.add_argument("--disk-path", default=None, metavar="DIR",
+                       help="a disk tier: objects evicted from memory go to files in this directory "
+                       "(created 0700; one pool per directory) and are read back when hit; they "
+                       "survive a restart (default: no disk tier)")
+    serve.add_argument("--disk-capacity", default="64GiB", metavar="SIZE",
+                       help="how much the disk tier may hold, like 500GiB")
     serve.add_argument("--force", action="store_true",
                        help="create an arena larger than the machine's memory")
     serve.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -190,12 +196,17 @@ def _serve(args) -> int:
     from ascend_store.backends.local.server import serve
 
     capacity = check_capacity(args.capacity, args.force, _mem_total())
+    try:
+        disk_capacity = parse_size(args.disk_capacity, "--disk-capacity")
+    except ConfigError as exc:
+        raise UserError(f"ascend-store pool serve: {exc}", EXIT_USAGE) from None
     running = ping(args.socket)
     if running:
         raise UserError(f"ascend-store pool serve: a pool already answers at {args.socket} "
                         f"(pid {running.get('pid', '?')}); stop it first or give another --socket.")
     try:
-        serve(args.socket, capacity, lease_ttl_s=args.lease_ttl, parent_pid=args.parent_pid)
+        serve(args.socket, capacity, lease_ttl_s=args.lease_ttl, parent_pid=args.parent_pid,
+              disk_path=args.disk_path, disk_capacity=disk_capacity)
     except OSError as exc:
         raise UserError(f"ascend-store pool serve: cannot create the pool at {args.socket}: {exc}") from None
     return 0

@@ -119,8 +119,12 @@ class LocalPoolConfig:
     # A uid besides our own that may own the pool's socket, directory and arena (a
     # standalone pool run by a service account); None: only our own.
     trusted_uid: int | None = None
+    # The disk tier of a pool this engine starts: objects evicted from memory go to this
+    # directory (None: no disk tier), up to ``disk_capacity`` bytes.
+    disk_path: str | None = None
+    disk_capacity: int = 64 * 2**30
 
-    KEYS = ("socket", "capacity", "start", "lease_ttl_s", "trusted_uid")
+    KEYS = ("socket", "capacity", "start", "lease_ttl_s", "trusted_uid", "disk_path", "disk_capacity")
 
     @classmethod
     def parse(cls, raw: Any) -> "LocalPoolConfig":
@@ -129,10 +133,16 @@ class LocalPoolConfig:
         capacity = cls.capacity
         if "capacity" in r.raw:
             capacity = parse_size(r.raw.pop("capacity"), "local.capacity")
+        disk_capacity = cls.disk_capacity
+        if "disk_capacity" in r.raw:
+            disk_capacity = parse_size(r.raw.pop("disk_capacity"), "local.disk_capacity")
+        disk_path = r.take("disk_path", None, str)
         cfg = cls(socket=os.path.abspath(socket), capacity=capacity,
                   start=r.choice("start", "auto", ("auto", "never")),
                   lease_ttl_s=r.positive("lease_ttl_s", 30.0),
-                  trusted_uid=r.take("trusted_uid", None, int))
+                  trusted_uid=r.take("trusted_uid", None, int),
+                  disk_path=os.path.abspath(disk_path) if disk_path else None,
+                  disk_capacity=disk_capacity)
         if cfg.trusted_uid is not None and cfg.trusted_uid < 0:
             raise ConfigError(f"local.trusted_uid: must be a uid >= 0, got {cfg.trusted_uid}")
         r.finish(cls.KEYS)

@@ -58,6 +58,9 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output) -> None:
         self.scheduler.update_connector_output(connector_output)
 
+    def take_events(self):
+        return self.scheduler.take_events()
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)
 

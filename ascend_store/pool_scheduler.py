@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ascend_store import seams
+from ascend_store import kv_events, seams
 from ascend_store.backends import BackendUnavailable, create_backend
 from ascend_store.config import StoreConfig
 from ascend_store.hit_cache import BlockHitCache
@@ -101,6 +101,9 @@ class PoolScheduler:
         self._reqs: dict[str, _Request] = {}
         self._last_output = None  # the previous step's scheduler output (KVCOMPRESS_PLANS)
         self.counters = IntervalCounters()
+        # The pool's tier events as vLLM KV events (kv_events.py): one pool call per step, when on.
+        self.kv_events = kv_events.KVEventFeed(self.backend, identity.namespace(), self.chunk) \
+            if self.backend is not None and kv_events.enabled(vllm_config) else None
 
     # -- lookup ---------------------------------------------------------------
     def _pool_hit_chunks(self, hashes: list[str], start: int, limit: int) -> int:
@@ -342,6 +345,9 @@ class PoolScheduler:
         if isinstance(report, WorkerReport) and self.hit_cache is not None:
             failed = report.failed_chunks
             self.hit_cache.invalidate(failed + [tag + h for tag in (STATE_TAG, TAIL_TAG) for h in failed])
+
+    def take_events(self) -> list:
+        return self.kv_events.take() if self.kv_events is not None else []
 
     def request_finished(self, request) -> tuple[bool, None]:
         self._reqs.pop(request.request_id, None)

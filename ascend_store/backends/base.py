@@ -104,3 +104,9 @@ class Backend(ABC):
         """The store's ``Generation`` as of the last reply, for caches that must notice
         restarts and deleted objects without asking; None when the backend cannot tell."""
         return None
+
+    def events(self, cursor: int) -> dict | None:
+        """The store's tier events after ``cursor`` (``{"epoch", "cursor", "lost", "codes",
+        "event_keys"}``: backends/local/events.py), for KV events; None when the store
+        keeps no event log (then no KV events are emitted)."""
+        return None

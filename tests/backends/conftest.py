@@ -1,4 +1,5 @@
-"""One conformance suite, three backends: the local pool (a real pool process), Mooncake
+"""One conformance suite, three backends: the local pool (a real pool process, with and
+without a disk tier), Mooncake
 (a real mooncake_master and mooncake_client storage process) and memcache (the real
 memcache_hybrid 1.3.0 meta service and clients, over host_shm and over host_tcp).
 
@@ -83,9 +84,12 @@ class Service:
         self.start_fn()
 
 
-def _local(tmp_path) -> Service:
+def _local(tmp_path, disk: bool = False) -> Service:
+    """The local pool; ``disk``: with a disk tier of half its memory (so writing twice the
+    memory still evicts or refuses something)."""
     cap = 8 * 2**20
-    pool = Pool(str(tmp_path / "pool" / "pool.sock"), capacity=str(cap))
+    extra = ("--disk-path", str(tmp_path / "disk"), "--disk-capacity", str(cap // 2)) if disk else ()
+    pool = Pool(str(tmp_path / "pool" / "pool.sock"), capacity=str(cap), extra=extra)
     return Service("local", {"socket": pool.socket, "start": "never", "capacity": cap}, cap,
                    pool.start, pool.stop)
 
@@ -200,11 +204,13 @@ def _memcache(tmp_path, protocol: str, storage: int = 0) -> Service:
     return Service("memcache", params, cap, start, stop)
 
 
-@pytest.fixture(params=["local", "mooncake", "memcache-host_shm", "memcache-host_tcp"])
+@pytest.fixture(params=["local", "local-disk", "mooncake", "memcache-host_shm", "memcache-host_tcp"])
 def service(request, tmp_path):
     kind, _, protocol = request.param.partition("-")
-    svc = _memcache(tmp_path, protocol) if kind == "memcache" else {"local": _local, "mooncake": _mooncake}[
-        kind](tmp_path)
+    if kind == "local":
+        svc = _local(tmp_path, disk=protocol == "disk")
+    else:
+        svc = _memcache(tmp_path, protocol) if kind == "memcache" else _mooncake(tmp_path)
     svc.start_fn()
     yield svc
     svc.stop_fn()

@@ -99,14 +99,14 @@ def baseline(model, tmp_path_factory) -> list[dict]:
 
 
 class Pool:
-    def __init__(self, socket: str, capacity: str = "256MiB"):
-        self.socket, self.capacity = socket, capacity
+    def __init__(self, socket: str, capacity: str = "256MiB", extra: tuple[str, ...] = ()):
+        self.socket, self.capacity, self.extra = socket, capacity, extra  # extra: more `pool serve` flags
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Pool":
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", self.socket,
-             "--capacity", self.capacity], env={**os.environ, "PYTHONPATH": REPO},
+             "--capacity", self.capacity, *self.extra], env={**os.environ, "PYTHONPATH": REPO},
             stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while not ping(self.socket):

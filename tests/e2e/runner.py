@@ -8,6 +8,7 @@ Job: {"model", "kv_config" | null, "rounds": [[token-id prompts], ...], "max_tok
       "round_extra_args": [SamplingParams.extra_args per round, or null],
       "loras": {name: adapter dir}, "prompt_opts": per round, per prompt {"cache_salt": str,
                 "lora": name} or null,
+      "kv_events": KVEventsConfig fields (vLLM's KV event publisher), or absent,
       "trace_memory": true to report Python allocations by ascend_store code that outlive
                       rounds 3.. (result "traced_growth", bytes)}
 """
@@ -74,6 +75,10 @@ def main(job_path: str) -> None:
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**job["kv_config"])
+    if job.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**job["kv_events"])
     llm = LLM(**kwargs)
     loras = {name: LoRARequest(name, i + 1, path)
              for i, (name, path) in enumerate(job.get("loras", {}).items())}

@@ -95,6 +95,7 @@ BAD = [  # (arguments, exit code, words the message must contain)
     (["frob"], 2, ["invalid choice", "--help"]),
     (["pool"], 2, ["choose a command", "serve"]),
     (["pool", "serve", "--capacity", "lots"], 2, ["--capacity", "8GiB"]),
+    (["pool", "serve", "--disk-capacity", "lots"], 2, ["--disk-capacity", "8GiB"]),
     (["pool", "serve", "--capacity", "100TiB"], 2, ["102400.0 GiB", "GiB of memory", "--force"]),
     (["pool", "serve", "--lease-ttl", "-1"], 2, ["--lease-ttl", "positive"]),
     (["pool", "status", "--socket", "{tmp}/none.sock"], 1, ["no pool", "pool serve"]),

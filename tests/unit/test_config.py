@@ -207,3 +207,13 @@ def test_memcache_section_rejects_names_from_elsewhere(raw, needle):
     with pytest.raises(ConfigError) as err:
         StoreConfig.parse({"memcache": raw})
     assert needle in str(err.value)
+
+
+def test_disk_tier_keys():
+    cfg = StoreConfig.parse({"local": {"disk_path": "rel/disk", "disk_capacity": "2GiB"}})
+    assert cfg.local.disk_path == os.path.abspath("rel/disk") and cfg.local.disk_capacity == 2 * 2**30
+    assert StoreConfig.parse(None).local.disk_path is None  # no disk tier unless asked
+    with pytest.raises(ConfigError, match=r"local\.disk_capacity"):
+        StoreConfig.parse({"local": {"disk_path": "/d", "disk_capacity": "lots"}})
+    with pytest.raises(ConfigError, match=r"local\.disk_path"):
+        StoreConfig.parse({"local": {"disk_path": 5}})

@@ -60,15 +60,16 @@ def _reap_orphan(pid: int) -> None:
 class Pool:
     """A standalone pool process (``ascend-store pool serve``) on a private socket."""
 
-    def __init__(self, socket_path: str, capacity: str = "4MiB"):
+    def __init__(self, socket_path: str, capacity: str = "4MiB", extra: tuple[str, ...] = ()):
         self.socket = socket_path
         self.capacity = capacity
+        self.extra = extra  # more `pool serve` flags
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Pool:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", self.socket,
-             "--capacity", self.capacity],
+             "--capacity", self.capacity, *self.extra],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while not ping(self.socket):

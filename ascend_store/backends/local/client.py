@@ -177,6 +177,14 @@ class LocalBackend(Backend):
     def stats(self):
         return self._call("stats")["stats"]
 
+    def events(self, cursor: int) -> dict:
+        reply = self._call("events", cursor=cursor)
+        codes, keys = reply.get("codes"), reply.get("event_keys")
+        if not isinstance(codes, bytes) or not isinstance(keys, list) or len(codes) != len(keys) \
+                or not isinstance(reply.get("cursor"), int) or not isinstance(reply.get("lost"), int):
+            raise BackendUnavailable("pool reply to 'events' is malformed")
+        return reply
+
     def list(self, prefix: str = ""):
         return self._call("list", prefix=prefix)["entries"]
 

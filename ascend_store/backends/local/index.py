@@ -5,7 +5,9 @@ written (reserved, invisible to readers, freed if not committed in time) or read
 Leases pin a ready object against eviction and removal while a reader copies it out;
 a lease that is not released within its TTL is dropped, so a dead client cannot pin
 memory forever. Every ready object that goes (evicted or removed) is counted in ``gone``
-and its digest kept in a ring, so a client's cache can drop exactly what went.
+and its digest kept in a ring, so a client's cache can drop exactly what went. With a disk
+tier (tiers.py) the ``spill`` hook keeps an eviction victim on disk, and such an object is
+not gone. Commits and deletions are logged for KV events (events.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 
 from ascend_store.backends.alloc import FreeList, aligned
 from ascend_store.backends.base import Status, object_digest
+from ascend_store.backends.local.events import MEMORY, REMOVED, STORED, EventLog
 
 
 @dataclass
@@ -33,7 +36,7 @@ class _Obj:
 
 class PoolIndex:
     def __init__(self, capacity: int, lease_ttl_s: float = 30.0, reserve_ttl_s: float = 60.0,
-                 clock=time.monotonic, gone_ring: int = 65536):
+                 clock=time.monotonic, gone_ring: int = 65536, spill=None):
         self.free = FreeList(capacity)
         self.lease_ttl_s = lease_ttl_s
         self.reserve_ttl_s = reserve_ttl_s
@@ -44,6 +47,10 @@ class PoolIndex:
                          "no_space": 0}
         self.gone = 0  # ready objects deleted so far
         self._gone_ring = np.zeros(gone_ring, dtype="<u8")  # their digests, by gone % size
+        self.events = EventLog()
+        # spill(key, offset, size) -> bool: keeps an evicted object elsewhere (the disk tier);
+        # a kept object is not gone, so clients' lookup caches keep its hit.
+        self.spill = spill
 
     # -- writes ---------------------------------------------------------------
     def reserve(self, keys: list[str], sizes: list[int], owner: str = "") -> list[tuple[Status, int]]:
@@ -79,6 +86,7 @@ class PoolIndex:
             obj.ready = True
             obj.deadline = 0.0
             self._lru[key] = None
+            self.events.add(STORED, MEMORY, key)
             out.append(Status.OK)
         return out
 
@@ -173,13 +181,25 @@ class PoolIndex:
             if victim is None:
                 return None
             self.counters["evictions"] += 1
-            if self._delete(victim) >= need:
+            obj = self._objs[victim]
+            kept = self.spill is not None and self.spill(victim, obj.offset, obj.size)
+            if self._delete(victim, gone=not kept) >= need:
                 return self.free.alloc(need)
 
-    def _delete(self, key: str) -> int:
+    def note_gone(self, key: str) -> None:
+        """Count a ready object as deleted from the pool (every tier)."""
+        self._gone_ring[self.gone % len(self._gone_ring)] = object_digest(key)
+        self.gone += 1
+
+    def ready_slots(self) -> list[tuple[str, int, int]]:
+        """(key, offset, size) of the ready objects, least recently used first."""
+        return [(k, self._objs[k].offset, self._objs[k].size) for k in self._lru]
+
+    def _delete(self, key: str, gone: bool = True) -> int:
         obj = self._objs.pop(key)
         if obj.ready:
             self._lru.pop(key, None)
-            self._gone_ring[self.gone % len(self._gone_ring)] = object_digest(key)
-            self.gone += 1
+            self.events.add(REMOVED, MEMORY, key)
+            if gone:
+                self.note_gone(key)
         return self.free.free(obj.offset, obj.alloc)

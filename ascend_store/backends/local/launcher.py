@@ -91,6 +91,8 @@ def _start(cfg) -> subprocess.Popen | None:
     cmd = [sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", cfg.socket,
            "--capacity", str(cfg.capacity), "--lease-ttl", str(cfg.lease_ttl_s),
            "--parent-pid", str(os.getpid())]
+    if cfg.disk_path:
+        cmd += ["--disk-path", cfg.disk_path, "--disk-capacity", str(cfg.disk_capacity)]
     # The pool must not hold the engine's stdout/stderr open (a supervisor reading them
     # would wait for the pool): it logs beside its socket instead.
     log_path = cfg.socket + ".log"

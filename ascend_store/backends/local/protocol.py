@@ -1,11 +1,13 @@
 """Wire format of the local pool: msgpack maps over a ZeroMQ socket (never pickle).
 
-Request:  {"op": str, "keys": [str], "sizes": [int], "since": int}
+Request:  {"op": str, "keys": [str], "sizes": [int], "since": int, "cursor": int}
 Reply:    {"ok": bool, "epoch": str, "gone": int, "gone_keys": bytes | None,
            ...op-specific fields..., "error": str}
 ``since`` is how many deleted objects the client has heard of; the reply's ``gone_keys``
 names those deleted after them (object digests, 8 bytes each: base.object_digest), or is
-None when the pool no longer remembers them all. Both directions are size-bounded: a
+None when the pool no longer remembers them all. ``events`` answers the event log's
+entries after ``cursor`` (events.py): ``cursor``, ``lost``, ``codes`` (bytes),
+``event_keys``. Both directions are size-bounded: a
 client decodes a reply under limits too, so a pool cannot make it allocate without end.
 """
 
@@ -19,7 +21,7 @@ MAX_MESSAGE_BYTES = 16 * 2**20
 MAX_KEYS_PER_CALL = 65536
 GONE_RING = 65536  # deleted objects the pool remembers for clients that lag
 OPS = ("hello", "exists", "reserve", "commit", "abort", "lease", "release", "remove",
-       "stats", "list")
+       "stats", "list", "events")
 
 
 class ProtocolError(ValueError):
@@ -56,9 +58,10 @@ def unpack_request(data: bytes) -> dict:
     prefix = msg.get("prefix", "")
     if not isinstance(prefix, str) or len(prefix) > 256:
         raise ProtocolError("prefix must be a short string")
-    since = msg.get("since", 0)
-    if not isinstance(since, int) or isinstance(since, bool) or since < 0:
-        raise ProtocolError("since must be a non-negative integer")
+    for name in ("since", "cursor"):
+        value = msg.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ProtocolError(f"{name} must be a non-negative integer")
     return msg
 
 

