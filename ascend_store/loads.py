@@ -142,12 +142,10 @@ class Loader:
         steps = ctx.plan(job.loads)
         keys = [k for st in steps for k in st.keys]
         sizes = np.concatenate([st.fmt.size(st.blocks) for st in steps]) if steps else np.zeros(0, np.int64)
-        slots = ctx.backend.lease(keys, sizes.tolist())
-        job.leased = [k for k, s in zip(keys, slots) if s.status is Status.OK]
+        slots = ctx.backend.lease_slots(keys, sizes.tolist())
+        status, offs, got = slots
+        job.leased = [k for k, ok in zip(keys, (status == Status.OK).tolist()) if ok]
         arena = ctx.arena()  # again: a pool restart seen by the lease remaps it
-        status = np.fromiter((s.status for s in slots), dtype=np.int64, count=len(slots))
-        offs = np.fromiter((s.offset for s in slots), dtype=np.int64, count=len(slots))
-        got = np.fromiter((s.size for s in slots), dtype=np.int64, count=len(slots))
         out, at = [], 0
         for st in steps:
             n = len(st.keys)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ascend_store.backends import BackendUnavailable, Status
+from ascend_store.backends.base import STATUSES
 from ascend_store.device_path import LayerObjects
 from ascend_store.metadata import ChunkSave
 from ascend_store.segments import CopyPlanner, StepPages
@@ -145,15 +146,15 @@ class Saver:
 
     def _reserve(self, groups: list[Reserved], sizes: list[np.ndarray]) -> None:
         keys = [k for r in groups for k in r.step.keys]
-        slots = self.ctx.backend.reserve(keys, np.concatenate(sizes).tolist())
+        slots = self.ctx.backend.reserve_slots(keys, np.concatenate(sizes))
+        ok = slots.status == Status.OK
+        for status, count in zip(*np.unique(slots.status[~ok], return_counts=True)):
+            self.ctx.counters["save_skipped_" + STATUSES[status].name.lower()] += int(count)
         at = 0
         for r in groups:
-            for k, slot in enumerate(slots[at:at + len(r.step.keys)]):
-                if slot.status is Status.OK:
-                    r.offsets[k] = slot.offset
-                else:
-                    self.ctx.counters["save_skipped_" + slot.status.name.lower()] += 1
-            at += len(r.step.keys)
+            n = len(r.step.keys)
+            r.offsets[:n] = np.where(ok[at:at + n], slots.offset[at:at + n], r.offsets[:n])
+            at += n
 
     def _run_save_layer(self, job: SaveJob, name: str, after=None) -> None:
         ctx = self.ctx

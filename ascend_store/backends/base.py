@@ -43,6 +43,24 @@ class Slot(NamedTuple):  # a tuple: a 32K-token hit builds thousands of them per
 STATUSES = tuple(Status)  # Status by value, faster than Status(value)
 
 
+class Slots(NamedTuple):
+    """A call's slots as int64 arrays, one entry per key asked: what the worker's hot path
+    reads, with no object per key (the local pool sends them packed)."""
+
+    status: np.ndarray  # Status values
+    offset: np.ndarray
+    size: np.ndarray
+
+    @classmethod
+    def of(cls, slots: list[Slot]) -> "Slots":
+        a = np.asarray([tuple(s) for s in slots], dtype=np.int64).reshape(-1, 3)
+        return cls(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy())
+
+    def to_list(self) -> list[Slot]:
+        return [Slot(STATUSES[s], o, n) for s, o, n in zip(self.status.tolist(), self.offset.tolist(),
+                                                          self.size.tolist())]
+
+
 class Generation(NamedTuple):
     """What a backend knows about its store's changes, for caches of its answers.
 
@@ -87,6 +105,14 @@ class Backend(ABC):
     def lease(self, keys: list[str], sizes: list[int] | None = None) -> list[Slot]:
         """``sizes``: the largest each object can be (stores that copy into staging
         memory need it; the local pool ignores it)."""
+
+    def lease_slots(self, keys: list[str], sizes: list[int] | None = None) -> Slots:
+        """``lease`` as arrays; backends with a packed wire format answer it directly."""
+        return Slots.of(self.lease(keys, sizes))
+
+    def reserve_slots(self, keys: list[str], sizes: list[int]) -> Slots:
+        """``reserve`` as arrays, likewise."""
+        return Slots.of(self.reserve(keys, sizes))
 
     @abstractmethod
     def release(self, keys: list[str]) -> None: ...

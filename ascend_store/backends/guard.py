@@ -16,7 +16,7 @@ from ascend_store.backends.base import Backend, BackendUnavailable
 log = logging.getLogger("ascend_store")
 
 _PASSTHROUGH = ("buffer", "exists", "reserve", "commit", "abort", "lease", "release", "remove",
-                "stats", "events")
+                "stats", "events", "lease_slots", "reserve_slots")
 
 
 class GuardedBackend:

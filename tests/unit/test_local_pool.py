@@ -15,6 +15,7 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 
@@ -430,8 +431,10 @@ def test_out_of_bounds_slot_from_server_is_refused(sockdir):
         while not stop.is_set():
             if router.poll(50):
                 frames = router.recv_multipart()
-                reply = {"ok": True, "epoch": "e1", "gone": 0, "status": [0],
-                         "offsets": [CAPACITY - 10], "sizes": [100], "arena": arena, "capacity": CAPACITY}
+                packed = lambda v: np.asarray([v], dtype="<i8").tobytes()  # noqa: E731
+                reply = {"ok": True, "epoch": "e1", "gone": 0, "status": packed(0),
+                         "offsets": packed(CAPACITY - 10), "sizes": packed(100), "arena": arena,
+                         "capacity": CAPACITY}
                 router.send_multipart(frames[:-1] + [protocol.pack(reply)])
 
     t = threading.Thread(target=serve, daemon=True)

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import zmq
 
-from ascend_store.backends.base import STATUSES, Backend, BackendUnavailable, Generation, Slot, Status
+from ascend_store.backends.base import STATUSES, Backend, BackendUnavailable, Generation, Slots, Status
 from ascend_store.backends.local import protocol, trust
 from ascend_store.backends.local.launcher import ensure_pool
 
@@ -148,10 +148,15 @@ class LocalBackend(Backend):
         return _per_key(self._call("exists", keys=keys), "found", len(keys)) if keys else []
 
     def reserve(self, keys, sizes):
+        return self.reserve_slots(keys, sizes).to_list()
+
+    def reserve_slots(self, keys, sizes) -> Slots:
+        sizes = np.asarray(sizes, dtype=np.int64)
         if not keys:
-            return []
-        r = self._call("reserve", keys=keys, sizes=sizes, owner=self.owner)
-        return self._slots(_per_key(r, "status", len(keys)), _per_key(r, "offsets", len(keys)), sizes)
+            return _NO_SLOTS
+        r = self._call("reserve", keys=keys, sizes=sizes.astype("<i8").tobytes(), owner=self.owner)
+        n = len(keys)
+        return self._slots(_packed(r, "status", n), _packed(r, "offsets", n), sizes)
 
     def commit(self, keys):
         return _statuses(self._call("commit", keys=keys), len(keys)) if keys else []
@@ -161,11 +166,14 @@ class LocalBackend(Backend):
             self._call("abort", keys=keys)
 
     def lease(self, keys, sizes=None):
+        return self.lease_slots(keys).to_list()
+
+    def lease_slots(self, keys, sizes=None) -> Slots:
         if not keys:
-            return []
+            return _NO_SLOTS
         r = self._call("lease", keys=keys)
         n = len(keys)
-        return self._slots(_per_key(r, "status", n), _per_key(r, "offsets", n), _per_key(r, "sizes", n))
+        return self._slots(_packed(r, "status", n), _packed(r, "offsets", n), _packed(r, "sizes", n))
 
     def release(self, keys):
         if keys:
@@ -188,20 +196,16 @@ class LocalBackend(Backend):
     def list(self, prefix: str = ""):
         return self._call("list", prefix=prefix)["entries"]
 
-    def _slots(self, statuses: list[int], offsets: list[int], sizes: list[int]) -> list[Slot]:
+    def _slots(self, st: np.ndarray, off: np.ndarray, sz: np.ndarray) -> Slots:
+        """Checked slots: known statuses, and every OK slot inside the arena."""
         limit = len(self._view) if self._view is not None else self.cfg.capacity
-        try:
-            st, off = np.asarray(statuses, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
-            sz = np.asarray(sizes, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            raise BackendUnavailable("pool returned malformed slots") from None
         if ((st < 0) | (st >= len(STATUSES))).any():
             raise BackendUnavailable("pool returned an unknown status")
         out = (st == Status.OK) & ((off < 0) | (sz < 0) | (off + sz > limit))
         if out.any():
             i = int(np.flatnonzero(out)[0])
-            raise BackendUnavailable(f"pool returned an out-of-bounds slot {offsets[i]}+{sizes[i]}")
-        return [Slot(STATUSES[s], o, n) for s, o, n in zip(statuses, offsets, sizes)]
+            raise BackendUnavailable(f"pool returned an out-of-bounds slot {off[i]}+{sz[i]}")
+        return Slots(st, off, sz)
 
     def close(self) -> None:
         with self._lock:
@@ -215,6 +219,17 @@ class LocalBackend(Backend):
             except Exception:
                 self._proc.kill()
             self._proc = None
+
+
+def _packed(reply: dict, name: str, n: int) -> np.ndarray:
+    """A reply's per-key int64 array (packed little-endian), one entry per key asked."""
+    value = reply.get(name)
+    if not isinstance(value, bytes) or len(value) != 8 * n:
+        raise BackendUnavailable(f"pool reply has no {n}-entry packed '{name}' array")
+    return np.frombuffer(value, dtype="<i8").astype(np.int64)
+
+
+_NO_SLOTS = Slots(*(np.zeros(0, dtype=np.int64) for _ in range(3)))
 
 
 def _per_key(reply: dict, name: str, n: int) -> list:

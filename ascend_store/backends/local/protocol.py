@@ -1,8 +1,10 @@
 """Wire format of the local pool: msgpack maps over a ZeroMQ socket (never pickle).
 
-Request:  {"op": str, "keys": [str], "sizes": [int], "since": int, "cursor": int}
+Request:  {"op": str, "keys": [str], "sizes": [int] | bytes, "since": int, "cursor": int}
 Reply:    {"ok": bool, "epoch": str, "gone": int, "gone_keys": bytes | None,
            ...op-specific fields..., "error": str}
+Per-key integers on the hot path travel packed (msgpack bin of little-endian int64): the
+sizes of a ``reserve``, the status/offsets/sizes answering ``reserve`` and ``lease``.
 ``since`` is how many deleted objects the client has heard of; the reply's ``gone_keys``
 names those deleted after them (object digests, 8 bytes each: base.object_digest), or is
 None when the pool no longer remembers them all. ``events`` answers the event log's
@@ -14,6 +16,7 @@ client decodes a reply under limits too, so a pool cannot make it allocate witho
 from __future__ import annotations
 
 import msgpack
+import numpy as np
 
 from ascend_store.keys import KEY_RE
 
@@ -39,7 +42,7 @@ def unpack_request(data: bytes) -> dict:
     try:
         msg = msgpack.unpackb(data, raw=False, strict_map_key=True,
                               max_array_len=MAX_KEYS_PER_CALL, max_map_len=16,
-                              max_str_len=4096, max_bin_len=0)
+                              max_str_len=4096, max_bin_len=MAX_KEYS_PER_CALL * 8)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"undecodable message: {type(exc).__name__}") from None
     if not isinstance(msg, dict) or msg.get("op") not in OPS:
@@ -48,9 +51,11 @@ def unpack_request(data: bytes) -> dict:
     if not isinstance(keys, list) or not all(isinstance(k, str) and KEY_RE.fullmatch(k) for k in keys):
         raise ProtocolError("keys must be a list of strings matching " + KEY_RE.pattern)
     sizes = msg.get("sizes", [])
+    if isinstance(sizes, bytes) and len(sizes) % 8 == 0:
+        sizes = msg["sizes"] = np.frombuffer(sizes, dtype="<i8").tolist()
     if not isinstance(sizes, list) or not all(
             isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
-        raise ProtocolError("sizes must be a list of positive integers")
+        raise ProtocolError("sizes must be positive integers (a list, or packed int64)")
     if msg["op"] == "reserve" and len(sizes) != len(keys):
         raise ProtocolError("reserve needs one size per key")
     if not isinstance(msg.get("owner", ""), str) or len(msg.get("owner", "")) > 64:

@@ -21,6 +21,7 @@ import shutil
 import signal
 import time
 
+import numpy as np
 import zmq
 
 from ascend_store.backends.local import arena, protocol, trust
@@ -147,16 +148,17 @@ class PoolServer:
             return {"found": ix.exists(keys)}
         if op == "reserve":
             res = ix.reserve(keys, msg["sizes"], owner=msg.get("owner", ""))
-            return {"status": [int(s) for s, _ in res], "offsets": [o for _, o in res]}
+            res = np.asarray(res, dtype="<i8").reshape(-1, 2)
+            return {"status": res[:, 0].tobytes(), "offsets": res[:, 1].tobytes()}
         if op == "commit":
             return {"status": [int(s) for s in ix.commit(keys)]}
         if op == "abort":
             ix.abort(keys)
             return {}
-        if op == "lease":
-            res = ix.lease(keys)
-            return {"status": [int(r[0]) for r in res], "offsets": [r[1] for r in res],
-                    "sizes": [r[2] for r in res]}
+        if op == "lease":  # slots go back packed: int64 arrays, one entry per key
+            res = np.asarray(ix.lease(keys), dtype="<i8").reshape(-1, 3)
+            return {"status": res[:, 0].tobytes(), "offsets": res[:, 1].tobytes(),
+                    "sizes": res[:, 2].tobytes()}
         if op == "release":
             ix.release(keys)
             return {}
