@@ -58,7 +58,7 @@ GEOMETRIES = {"qwen2.5-7b/b16": (28, 4, 128, 16), "llama3-8b/b16": (32, 8, 128, 
               "qwen2.5-7b/b128": (28, 4, 128, 128)}
 DEVICE_WORK = ((kernels, "copy_segments_sum_torch"),)  # raw codec
 ROUNDS = itertools.count()
-POOL_CALLS = ("lease", "release", "reserve", "commit", "abort", "remove")
+POOL_CALLS = ("lease", "lease_slots", "release", "reserve", "reserve_slots", "commit", "abort", "remove")
 
 
 class Timers:
@@ -106,7 +106,8 @@ def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, ti
     worker = PoolWorker(vllm_config, kv_cache_config, cfg, "kv_both")
     worker.register_kv_caches(caches)
     for name in POOL_CALLS:
-        timers.wrap(worker.backend, name, "pool")
+        if hasattr(worker.backend, name):  # older checkouts lack the array calls
+            timers.wrap(worker.backend, name, "pool")
     per_chunk = worker.blocks_per_chunk
     chunks = blocks // per_chunk
     src = list(range(1, blocks + 1))
@@ -215,7 +216,7 @@ def main() -> None:
     cap = need * max(args.tokens) * 2  # a round's objects, and room: older rounds are evicted
     server = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", sock,
                                "--capacity", str(cap)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "PYTHONPATH": sys.path[0]})
+                              env={**os.environ, "PYTHONPATH": sys.path[0]}, cwd=sys.path[0])  # -m: cwd first
     timers = Timers()
     profiler = cProfile.Profile() if args.profile else None
     for owner, name in DEVICE_WORK:
