@@ -17,12 +17,29 @@ checked in the same call, as in whole mode: correct, but not off the step.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import dataclass
 
 from ascend_store.loads import Loader, LoadJob
 from ascend_store.metadata import ChunkLoad
 from ascend_store.worker_context import WorkerContext
+
+log = logging.getLogger("ascend_store")
+
+
+def _off_forward_cores() -> None:
+    """A thread inherits its creator's CPU mask, and vLLM's CPU worker pins the forward's
+    thread to its OpenMP cores (VLLM_CPU_OMP_THREADS_BIND): a load thread there would take
+    turns with the forward on the same core. Move it to the other cores, where there are."""
+    try:
+        forward = os.sched_getaffinity(0)
+        others = set(range(os.cpu_count() or 1)) - forward
+        if others:
+            os.sched_setaffinity(0, others)
+    except (AttributeError, OSError) as exc:  # not Linux, or the cores are not ours (cpuset)
+        log.debug("ascend-store: load thread keeps its CPU mask (%s)", exc)
 
 
 @dataclass
@@ -35,7 +52,8 @@ class _Pending:
 class AsyncLoads:
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
-        self.loader = Loader(ctx)  # its own thread: a long hit never queues behind a step's load
+        # Its own thread (a long hit never queues behind a step's load), off the forward's cores.
+        self.loader = Loader(ctx, initializer=_off_forward_cores)
         self._pending: list[_Pending] = []
         self._errors: set[int] = set()
 

@@ -74,10 +74,10 @@ class LoadJob:
 
 
 class Loader:
-    def __init__(self, ctx: WorkerContext):
+    def __init__(self, ctx: WorkerContext, initializer=None):
         self.ctx = ctx
         self.job: LoadJob | None = None  # this step's
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-load")
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-load", initializer=initializer)
         self._failed_chunks: set[str] = set()
 
     def start(self, loads: list[ChunkLoad]) -> LoadJob:
