@@ -2,8 +2,8 @@
 
 vLLM's protocol: the scheduler answered ``load_async=True``, so the request waits in
 WAITING_FOR_REMOTE_KVS while the running requests keep decoding. A step's loads of such
-requests form one job on this module's own load thread (the host copy path of
-``loads.py``, whose thread serves the whole-mode loads of the step). The first step that
+requests form one job, run by ``loads.py``'s host copy path on this module's own load
+thread (moved off the forward's cores). The first step that
 finds a job finished reports its requests through ``get_finished`` and, in the same
 pass, the blocks of its failed chunks through ``get_block_ids_with_load_errors``, so
 vLLM recomputes from the first failed block. A job still running ``load_timeout_s`` after

@@ -68,6 +68,8 @@ class _Request:
     tail_hit: tuple[str, int] | None = None  # (partial hash, blocks) the pool served past pool_hit
     tail_saved: bool = False
     prompt_done: bool = False  # its prompt is computed (a producer's reply may leave)
+    async_blocks: set[int] = field(default_factory=set)  # blocks its async load fills
+    load_failed: bool = False  # its async load failed: recompute, do not ask the pool again
     extras: KeyExtras | None = None  # what names the request's KV besides its tokens
 
 
@@ -96,7 +98,7 @@ class PoolScheduler:
         self._reqs: dict[str, _Request] = {}
         # Whole mode loads off the step (async_loads.py); block-level failures need one
         # KV cache group (vLLM cannot map them otherwise), so hybrid models load in the step.
-        self.async_load = cfg.async_load and not cfg.use_layerwise and len(self.kinds) == 1
+        self.async_load = cfg.async_load and not cfg.use_layerwise and self.kinds == [ATTN]
         self._async_ready: list[str] = []  # allocated, load not yet sent to the workers
         self.commit_before_reply = cfg.commit_before_reply and kv_role == "kv_producer"
         self.save_decode = cfg.save_decode_cache and self.can_save and not self.state_layers
@@ -203,6 +205,9 @@ class PoolScheduler:
         state.pending_load = []
         if not self.can_load:
             return 0, False
+        if state.load_failed:  # vLLM freed what the failed load held and asks again
+            state.load_failed = False
+            return 0, False
         t0 = time.perf_counter()
         # vLLM computes at least the last prompt token itself; a hybrid hit must also end
         # on a chunk boundary, where the pool holds the state.
@@ -261,6 +266,7 @@ class PoolScheduler:
             state = self._reqs.get(rid)
             if state is not None:
                 meta.async_loads.extend(state.pending_load)
+                state.async_blocks = {b for ld in state.pending_load for b in ld.block_ids}
                 state.pending_load = []
         self._async_ready = []
         for new in scheduler_output.scheduled_new_reqs:
@@ -358,6 +364,11 @@ class PoolScheduler:
         return tail
 
     def update_connector_output(self, connector_output) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            state = self._reqs.get(rid)
+            if state is not None:  # a failed load's objects may still exist: no retry loop
+                state.load_failed, state.async_blocks = bool(state.async_blocks & invalid), set()
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, WorkerReport) and self.hit_cache is not None:
             failed = report.failed_chunks

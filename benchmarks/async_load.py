@@ -69,7 +69,8 @@ def child(args) -> None:
     for t in range(args.trials):
         a_id, b_id = f"a{t}", f"b{t}"
         engine.add_request(a_id, TokensPrompt(prompt_token_ids=short),
-                           SamplingParams(temperature=0.0, max_tokens=args.base + args.after + 64, ignore_eos=True))
+                           SamplingParams(temperature=0.0, max_tokens=args.base + args.after + 64,
+                                          ignore_eos=True))
         a_times, b_sent, b_step, step, seen = [], None, None, 0, 0  # A's tokens: (time, step)
         while b_step is None or seen < args.base + args.after:
             step += 1
@@ -130,9 +131,10 @@ def main() -> None:
             time.sleep(0.1)
         results = {}
         for mode, flag in (("blocking", 0), ("non-blocking", 1)):
-            out = subprocess.run([sys.executable, __file__, "--child", "--async-load", str(flag), "--socket", socket,
-                                  "--model", model, "--hit", str(args.hit), "--trials", str(args.trials),
-                                  "--base", str(args.base), "--after", str(args.after)],
+            out = subprocess.run([sys.executable, __file__, "--child", "--async-load", str(flag),
+                                  "--socket", socket, "--model", model, "--hit", str(args.hit),
+                                  "--trials", str(args.trials), "--base", str(args.base),
+                                  "--after", str(args.after)],
                                  env=env, capture_output=True, text=True)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
             if out.returncode or not lines:
@@ -141,7 +143,8 @@ def main() -> None:
     finally:
         pool.terminate()
     print(f"hit {args.hit} tokens ({args.hit * 32 / 1024:.0f} MiB of KV), {args.trials} trials, medians")
-    print(f"{'mode':14s} {'itl_base_ms':>11s} {'itl_hit_ms':>10s} {'ratio':>6s} {'b_step_ms':>9s} {'b_ttft_ms':>9s}")
+    print(f"{'mode':14s} {'itl_base_ms':>11s} {'itl_hit_ms':>10s} {'ratio':>6s} {'b_step_ms':>9s} "
+          f"{'b_ttft_ms':>9s}")
     summary = {}
     for mode, trials in results.items():
         med = {k: statistics.median(t[k] for t in trials) for k in trials[0]}

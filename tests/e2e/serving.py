@@ -41,16 +41,17 @@ class Server:
     reused token comes from the pool. Started with ``start()``, checked with ``ready()``
     (several servers start at once)."""
 
-    def __init__(self, model: str, tmp, kv: dict, name: str):
+    def __init__(self, model: str, tmp, kv: dict, name: str, env: dict | None = None):
         self.log = tmp / f"{name}.log"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": "0"}
+               "VLLM_CPU_OMP_THREADS_BIND": "0", **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-             "--port", str(self.port), "--dtype", "float32", "--max-model-len", "2048", "--block-size",
-             str(BLOCK), "--enforce-eager", "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kv)],
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "2048",
+             "--block-size", str(BLOCK), "--enforce-eager", "--no-enable-prefix-caching",
+             "--kv-transfer-config", json.dumps(kv)],
             env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
 
     def ready(self) -> "Server":

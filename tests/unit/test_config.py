@@ -33,7 +33,8 @@ def test_defaults_from_none_and_empty():
 def test_values_are_read():
     cfg = StoreConfig.parse({
         "use_layerwise": False, "chunk_size": 64, "timeout_s": 2, "load_timeout_s": 1.5,
-        "verify_checksum": False, "async_load": False, "commit_before_reply": False, "save_decode_cache": True,
+        "verify_checksum": False, "async_load": False, "commit_before_reply": False,
+        "save_decode_cache": True,
         "local": {"socket": "rel/pool.sock", "capacity": "1GiB", "start": "never", "lease_ttl_s": 3,
                   "trusted_uid": 1000},
     })
