@@ -62,9 +62,18 @@ class RawCodec(Codec):
             pages[i].copy_(layout.page(b))
 
     def decode(self, layout, payload, n, skip, block_ids):
-        pages = _pages(layout, payload, n)
-        for i, b in enumerate(block_ids):
-            layout.page(b).copy_(pages[skip + i])
+        # One op for the object's pages, not one per block: a load thread then hands the
+        # GIL to the forward once per object (async_loads.py), not once per block.
+        src = _pages(layout, payload, n)[skip:skip + len(block_ids)]
+        blocks = layout.blocks()
+        try:
+            pages = src.to(blocks.device)  # pool memory on the host, the cache maybe on a device
+            if blocks.element_size() == 1:  # fp8 has no index_copy_: the same bytes as uint8
+                blocks, pages = blocks.view(torch.uint8), pages.view(torch.uint8)
+            blocks.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=blocks.device), pages)
+        except (RuntimeError, NotImplementedError):  # a device or dtype without index_copy_
+            for i, b in enumerate(block_ids):
+                layout.page(b).copy_(src[i])
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -290,6 +290,15 @@ class StoreConfig:
     # many before it); 0 queues every layer at the step's start, which measured best on
     # the H200 in 5 of 6 cases (docs/benchmarks.md).
     load_window: int = 0
+    # Whole mode (use_layerwise false): a pool hit loads off the step (vLLM's
+    # WAITING_FOR_REMOTE_KVS); other requests keep decoding meanwhile (async_loads.py).
+    async_load: bool = True
+    # kv_producer: a step that completes a prompt waits for its saves' commit, so the reply
+    # (which leaves after the step) never races the objects (docs/pd-disaggregation.md).
+    commit_before_reply: bool = True
+    # Save full chunks produced during decode too (same chained keys): a conversation's
+    # next turn finds its previous answer.
+    save_decode_cache: bool = False
     local: LocalPoolConfig = field(default_factory=LocalPoolConfig)
     mooncake: StoreServiceConfig = field(default_factory=StoreServiceConfig)
     memcache: MemcacheConfig = field(default_factory=MemcacheConfig)
@@ -297,7 +306,7 @@ class StoreConfig:
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
             "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window",
-            "local",
+            "async_load", "commit_before_reply", "save_decode_cache", "local",
             "mooncake", "memcache",
             "lookup_cache")
 
@@ -323,6 +332,9 @@ class StoreConfig:
             defer_state_copy=r.take("defer_state_copy", True, bool),
             copy_path=r.choice("copy_path", "auto", ("auto", "batched", "per_block")),
             load_window=r.take("load_window", 0, int),
+            async_load=r.take("async_load", True, bool),
+            commit_before_reply=r.take("commit_before_reply", True, bool),
+            save_decode_cache=r.take("save_decode_cache", False, bool),
             local=LocalPoolConfig.parse(r.raw.pop("local", None)),
             mooncake=StoreServiceConfig.parse("mooncake", r.raw.pop("mooncake", None),
                                               os.environ.get("MOONCAKE_CONFIG_PATH")

@@ -86,6 +86,9 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._connector_metadata)
 
+    def get_finished(self, finished_req_ids: set[str]):
+        return self.worker.get_finished()
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 

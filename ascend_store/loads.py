@@ -74,10 +74,10 @@ class LoadJob:
 
 
 class Loader:
-    def __init__(self, ctx: WorkerContext):
+    def __init__(self, ctx: WorkerContext, initializer=None):
         self.ctx = ctx
         self.job: LoadJob | None = None  # this step's
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-load")
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-load", initializer=initializer)
         self._failed_chunks: set[str] = set()
 
     def start(self, loads: list[ChunkLoad]) -> LoadJob:
@@ -96,7 +96,7 @@ class Loader:
             return
         ev = job.events.get(layer_name)
         if ev is not None and not ev.wait(self.ctx.cfg.load_timeout_s):
-            self._abandon(job, f"layer {layer_name} not loaded within {self.ctx.cfg.load_timeout_s}s")
+            self.abandon(job, f"layer {layer_name} not loaded within {self.ctx.cfg.load_timeout_s}s")
         if self.ctx.device_path is not None:  # the compute stream waits; the host does not
             self._queue_upto(job, job.position.get(layer_name, -1) + 1 + self._window())
             self.ctx.device_path.dev.wait(job.device_events.get(layer_name))
@@ -104,11 +104,11 @@ class Loader:
     def finish(self, job: LoadJob) -> None:
         """Every layer of ``job`` landed, or is awaited by the compute stream."""
         if job.future is not None and wait([job.future], timeout=self.ctx.cfg.load_timeout_s).not_done:
-            self._abandon(job, "load job did not finish")
+            self.abandon(job, "load job did not finish")
         if self.ctx.device_path is not None:
             if self.ctx.cfg.use_layerwise and job.next < len(job.todo):
                 # A layer the forward never waited for read its blocks before they landed.
-                self._abandon(job, f"layer {job.todo[job.next][0].name} was never waited for")
+                self.abandon(job, f"layer {job.todo[job.next][0].name} was never waited for")
             self._queue_upto(job, len(job.todo))
             for event in job.device_events.values():
                 self.ctx.device_path.dev.wait(event)
@@ -116,8 +116,10 @@ class Loader:
     def errors(self) -> set[int]:
         """The step's blocks whose load failed (vLLM recomputes them)."""
         job, self.job = self.job, None
-        if job is None:
-            return set()
+        return set() if job is None else self.collect(job)
+
+    def collect(self, job: LoadJob) -> set[int]:
+        """``job``'s failed blocks, once it is finished (its failed chunks are noted)."""
         self.finish(job)
         if self.ctx.device_path is not None:
             self._check_device_load(job)
@@ -342,7 +344,7 @@ class Loader:
         except BackendUnavailable:
             pass  # the pool drops our leases when their TTL ends
 
-    def _abandon(self, job: LoadJob, why: str) -> None:
+    def abandon(self, job: LoadJob, why: str) -> None:
         log.warning("KV pool load abandoned (%s); recomputing", why)
         self.ctx.counters["load_timeouts"] += 1
         job.cancelled = True

@@ -45,6 +45,12 @@ class ChunkSave:
 class StepMetadata(KVConnectorMetadata):
     loads: list[ChunkLoad] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
+    # Loads of requests waiting in WAITING_FOR_REMOTE_KVS: run off the step, reported
+    # through get_finished (async_loads.py).
+    async_loads: list[ChunkLoad] = field(default_factory=list)
+    # A prompt completes in this step on a producer: commit its saves before the step
+    # returns, so the reply cannot overtake them.
+    commit_now: bool = False
 
 
 @dataclass

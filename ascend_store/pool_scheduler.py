@@ -72,6 +72,9 @@ class _Request:
     pending_load: list[ChunkLoad] = field(default_factory=list)
     tail_hit: tuple[str, int] | None = None  # (partial hash, blocks) the pool served past pool_hit
     tail_saved: bool = False
+    prompt_done: bool = False  # its prompt is computed (a producer's reply may leave)
+    async_blocks: set[int] = field(default_factory=set)  # blocks its async load fills
+    load_failed: bool = False  # its async load failed: recompute, do not ask the pool again
     extras: KeyExtras | None = None  # what names the request's KV besides its tokens
     compacted: bool = False  # the TriAttention plugin planned to compact its KV
 
@@ -100,6 +103,12 @@ class PoolScheduler:
         self.hit_cache = BlockHitCache(lc.ttl_s, lc.max_entries) if lc.enabled and self.can_load else None
         self._reqs: dict[str, _Request] = {}
         self._last_output = None  # the previous step's scheduler output (KVCOMPRESS_PLANS)
+        # Whole mode loads off the step (async_loads.py); block-level failures need one
+        # KV cache group (vLLM cannot map them otherwise), so hybrid models load in the step.
+        self.async_load = cfg.async_load and not cfg.use_layerwise and self.kinds == [ATTN]
+        self._async_ready: list[str] = []  # allocated, load not yet sent to the workers
+        self.commit_before_reply = cfg.commit_before_reply and kv_role == "kv_producer"
+        self.save_decode = cfg.save_decode_cache and self.can_save and not self.state_layers
         self.counters = IntervalCounters()
         # The pool's tier events as vLLM KV events (kv_events.py): one pool call per step, when on.
         self.kv_events = kv_events.KVEventFeed(self.backend, identity.namespace(), self.chunk) \
@@ -206,6 +215,9 @@ class PoolScheduler:
         state.pending_load = []
         if not self.can_load:
             return 0, False
+        if state.load_failed:  # vLLM freed what the failed load held and asks again
+            state.load_failed = False
+            return 0, False
         t0 = time.perf_counter()
         # vLLM computes at least the last prompt token itself; a hybrid hit must also end
         # on a chunk boundary, where the pool holds the state.
@@ -226,7 +238,7 @@ class PoolScheduler:
         if hit_tokens <= num_computed_tokens:
             return 0, False
         self.counters["hit_tokens"] += hit_tokens - num_computed_tokens
-        return hit_tokens - num_computed_tokens, False
+        return hit_tokens - num_computed_tokens, self.async_load
 
     def request_chain(self, request) -> tuple[list[str], KeyExtras | None]:
         """The chunk chain of a request's prompt, and what else names its KV (LoRA adapter,
@@ -254,6 +266,8 @@ class PoolScheduler:
                 chunk_hash, n = (state.hashes[c], bpc) if c < state.pool_hit else state.tail_hit
                 state.pending_load.append(ChunkLoad(rid, g, chunk_hash, groups[g][lo:c * bpc + n],
                                                     skip=lo - c * bpc, object_blocks=n))
+        if self.async_load:  # the request now waits in WAITING_FOR_REMOTE_KVS
+            self._async_ready.append(rid)
 
     # -- per step -------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
@@ -263,6 +277,13 @@ class PoolScheduler:
                 if req_id in self._reqs:
                     self._reqs[req_id].compacted = True
         self._last_output = scheduler_output
+        for rid in self._async_ready:
+            state = self._reqs.get(rid)
+            if state is not None:
+                meta.async_loads.extend(state.pending_load)
+                state.async_blocks = {b for ld in state.pending_load for b in ld.block_ids}
+                state.pending_load = []
+        self._async_ready = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is None:
@@ -298,6 +319,11 @@ class PoolScheduler:
         if state.compacted or is_compacted(state.request):
             self.counters["compacted_skips"] += 1
             return
+        if self.commit_before_reply and not state.prompt_done \
+                and computed_after_step >= len(state.request.prompt_token_ids or []):
+            state.prompt_done = meta.commit_now = True
+        if self.save_decode:
+            self._extend_chain(state, computed_after_step)
         done = min(len(state.hashes), computed_after_step // self.chunk)
         bpc = self.blocks_per_chunk
         saved = []
@@ -320,6 +346,18 @@ class PoolScheduler:
         if saved:
             state.pool_hit = done
 
+    def _extend_chain(self, state: _Request, computed_after_step: int) -> None:
+        """``save_decode_cache``: continue the chain over the generated tokens whose KV is
+        computed, so full chunks past the prompt are saved under the keys the next turn's
+        prompt (this prompt, this answer, more) hashes to."""
+        if getattr(state.request, "prompt_embeds", None) is not None:
+            return
+        tokens = state.request.all_token_ids
+        n = min(computed_after_step, len(tokens)) // self.chunk
+        if n > len(state.hashes):
+            self.counters["decode_chunks"] += n - len(state.hashes)
+            state.hashes = chunk_hashes(tokens[:n * self.chunk], self.chunk, state.extras)
+
     def _plan_tail(self, req_id: str, state: _Request, computed_after_step: int, meta: StepMetadata):
         """Once the whole prompt is computed: save its whole blocks past the last full
         chunk as one partial object (dense models). Returns its hash when planned."""
@@ -341,6 +379,11 @@ class PoolScheduler:
         return tail
 
     def update_connector_output(self, connector_output) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            state = self._reqs.get(rid)
+            if state is not None:  # a failed load's objects may still exist: no retry loop
+                state.load_failed, state.async_blocks = bool(state.async_blocks & invalid), set()
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, WorkerReport) and self.hit_cache is not None:
             failed = report.failed_chunks

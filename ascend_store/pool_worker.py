@@ -18,6 +18,7 @@ from collections import deque
 import torch
 
 from ascend_store import seams
+from ascend_store.async_loads import AsyncLoads
 from ascend_store.backends import BackendUnavailable, create_backend
 from ascend_store.codecs import get_codec
 from ascend_store.config import StoreConfig
@@ -75,6 +76,7 @@ class PoolWorker:
             cfg, self.backend, self.counters, self.blocks_per_chunk, self.state_layers,
             {n: get_codec("raw") if n in self.state_layers else self.codec for n in self.layer_ids})
         self.loader = Loader(self.ctx)
+        self.async_loads = AsyncLoads(self.ctx)
         self.saver = Saver(self.ctx, cfg.defer_save_drain and _has_preemption_hook())
         self.state_copies: DeferredStateCopies | None = None
         self.parts: dict[str, list[str]] = {}  # layer -> its tuple parts (vllm-ascend caches)
@@ -202,6 +204,8 @@ class PoolWorker:
     def start_load_kv(self, meta: StepMetadata) -> None:
         self.saver.drain()
         self.counters["steps"] += 1
+        if meta.async_loads:
+            self.async_loads.start(meta.async_loads)
         if not meta.loads:
             return
         job = self.loader.start(meta.loads)
@@ -219,11 +223,14 @@ class PoolWorker:
         if layer_name in self.state_layers:
             self._run_state_copies(layer_name)
 
+    def get_finished(self) -> tuple[None, set[str] | None]:
+        return None, self.async_loads.finished() or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.loader.errors()
+        return self.loader.errors() | self.async_loads.errors()
 
     def build_connector_worker_meta(self) -> WorkerReport | None:
-        failed = self.loader.take_failed_chunks()
+        failed = self.loader.take_failed_chunks() + self.async_loads.take_failed_chunks()
         return WorkerReport(failed) if failed else None
 
     # -- saves ----------------------------------------------------------------
@@ -250,6 +257,8 @@ class PoolWorker:
         self.counters["max_rpcs_per_step"] = max(self.counters["max_rpcs_per_step"], rpcs - self._rpcs_seen)
         self._rpcs_seen = rpcs
         self.saver.end_step(meta.saves if meta is not None else None, whole=not self.cfg.use_layerwise)
+        if meta is not None and meta.commit_now:  # the reply leaves after this step
+            self.saver.drain()
 
     def stats(self) -> AscendStoreStats:
         now = time.monotonic()
@@ -268,6 +277,7 @@ class PoolWorker:
     def shutdown(self) -> None:
         self.saver.shutdown()
         self.loader.shutdown()
+        self.async_loads.shutdown()
         self.ctx.drop_arena()
         if self.ctx.device_path is not None:
             self.ctx.device_path.close()

@@ -112,6 +112,10 @@ class LayerLayout:
     def page(self, block_id: int) -> torch.Tensor:
         return self.tensor.select(self.block_dim, block_id).permute(self.order)
 
+    def blocks(self) -> torch.Tensor:
+        """Every block's page as one view, blocks first: ``blocks()[b]`` is ``page(b)``."""
+        return self.tensor.movedim(self.block_dim, 0).permute(0, *[d + 1 for d in self.order])
+
     def canonical(self, page: torch.Tensor) -> torch.Tensor | None:
         """A [2, tokens, heads, head_size] view of one page (or of pages stacked along
         leading dims), for the layouts we know: FlashAttention-style [2, T, H, D], vLLM
@@ -132,8 +136,7 @@ class LayerLayout:
 
     def canonical_blocks(self) -> torch.Tensor | None:
         """Every block's page as one [blocks, 2, tokens, heads, head_size] view."""
-        pages = self.tensor.movedim(self.block_dim, 0).permute(0, *[d + 1 for d in self.order])
-        return self.canonical(pages)
+        return self.canonical(self.blocks())
 
 
 def fingerprints(keys: list[str], layout: LayerLayout, codec_name: str) -> bytes:

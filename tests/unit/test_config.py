@@ -33,7 +33,8 @@ def test_defaults_from_none_and_empty():
 def test_values_are_read():
     cfg = StoreConfig.parse({
         "use_layerwise": False, "chunk_size": 64, "timeout_s": 2, "load_timeout_s": 1.5,
-        "verify_checksum": False,
+        "verify_checksum": False, "async_load": False, "commit_before_reply": False,
+        "save_decode_cache": True,
         "local": {"socket": "rel/pool.sock", "capacity": "1GiB", "start": "never", "lease_ttl_s": 3,
                   "trusted_uid": 1000},
     })
@@ -42,6 +43,9 @@ def test_values_are_read():
     assert cfg.timeout_s == 2.0 and isinstance(cfg.timeout_s, float)
     assert cfg.load_timeout_s == 1.5
     assert cfg.verify_checksum is False
+    assert (cfg.async_load, cfg.commit_before_reply, cfg.save_decode_cache) == (False, False, True)
+    assert (StoreConfig().async_load, StoreConfig().commit_before_reply, StoreConfig().save_decode_cache) \
+        == (True, True, False)
     assert cfg.local.socket == os.path.abspath("rel/pool.sock")
     assert cfg.local.capacity == 2**30
     assert cfg.local.start == "never"
@@ -86,6 +90,8 @@ def test_bad_backend_lists_accepted_values():
     ({"use_layerwise": "yes"}, "use_layerwise"),
     ({"use_layerwise": 1}, "use_layerwise"),
     ({"verify_checksum": "true"}, "verify_checksum"),
+    ({"async_load": 1}, "async_load"),
+    ({"save_decode_cache": "yes"}, "save_decode_cache"),
     ({"timeout_s": -1}, "timeout_s"),
     ({"timeout_s": 0}, "timeout_s"),
     ({"timeout_s": "5"}, "timeout_s"),
