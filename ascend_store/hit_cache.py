@@ -5,6 +5,9 @@ cache remembers each chunk's answer (every layer and shard present: hit; otherwi
 miss) for ``ttl_s``, bounded to ``max_entries`` (oldest dropped first). It is invalidated
 - per chunk when we plan to save it (a cached miss must not hide the new object) and
   when a worker reports it missing or corrupt on load;
+- every cached miss once the pool reports a commit after it (``Generation.added``): another
+  engine may have stored the chunk (a backend that does not report commits keeps misses
+  for ``ttl_s``);
 - per chunk when the pool reports that one of the chunk's objects went (evicted or
   removed: ``Generation.recent`` names them by ``object_digest`` of the chain hash);
   every cached hit when the pool reports more gone objects than it names (a backend
@@ -29,15 +32,16 @@ class BlockHitCache:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._clock = clock
-        # key -> (hit, expiry, object_digest of the key for hits / 0 for misses)
+        # key -> (hit, expiry, object_digest of the key for hits / the pool's commit count for misses)
         self._entries: OrderedDict[str, tuple[bool, float, int]] = OrderedDict()
         self._hits_by_digest: dict[int, set[str]] = {}  # cached hits by their objects' digest
         self._generation: tuple[str, int] | None = None
+        self._added: int | None = None  # the pool's commit count, as last seen
         self.counters = {"cache_hits": 0, "cache_misses": 0, "invalidations": 0}
 
     def get(self, key: str) -> bool | None:
         entry = self._entries.get(key)
-        if entry is None or entry[1] <= self._clock():
+        if entry is None or entry[1] <= self._clock() or (not entry[0] and entry[2] != (self._added or 0)):
             if entry is not None:
                 self._pop(key)
             self.counters["cache_misses"] += 1
@@ -47,7 +51,7 @@ class BlockHitCache:
 
     def put(self, key: str, hit: bool) -> None:
         self._pop(key)
-        digest = object_digest(key) if hit else 0
+        digest = object_digest(key) if hit else (self._added or 0)
         self._entries[key] = (hit, self._clock() + self.ttl_s, digest)
         if hit:
             self._hits_by_digest.setdefault(digest, set()).add(key)
@@ -73,6 +77,8 @@ class BlockHitCache:
 
     def observe(self, generation: Generation | tuple | None) -> None:
         """Feed the pool's ``Generation`` as last seen; drop what it makes stale."""
+        if generation is not None and len(generation) > 3:
+            self._added = generation[3]
         if generation is None or tuple(generation[:2]) == self._generation:
             return
         old, self._generation = self._generation, tuple(generation[:2])

@@ -68,11 +68,14 @@ class Generation(NamedTuple):
     objects deleted since (evicted or removed). ``recent`` holds ``object_digest`` of the
     last ``len(recent)`` of them, oldest first: a cache that last saw ``g`` can drop just
     the entries of ``recent[-(gone - g):]``, and must drop every cached hit when
-    ``gone - g`` exceeds ``len(recent)`` (or ``recent`` is None: not reported)."""
+    ``gone - g`` exceeds ``len(recent)`` (or ``recent`` is None: not reported).
+    ``added`` counts the objects committed since the restart (None: not reported): a
+    cached miss is void once it moved, since another engine may have stored the chunk."""
 
     epoch: str
     gone: int = 0
     recent: np.ndarray | None = None
+    added: int | None = None
 
 
 def object_digest(key: str) -> int:

@@ -168,3 +168,34 @@ def test_steady_eviction_keeps_hot_hits_cached_with_a_real_pool(tmp_path):
         writer.close()
         sched.close()
         pool.stop()
+
+
+def test_a_cached_miss_ends_when_another_client_commits(tmp_path):
+    """Two engines on one pool: the scheduler caches a miss, another engine stores the
+    chunk; the next pool reply the scheduler sees reports the commit, and the miss is
+    asked again (within its TTL) instead of hiding the new object for 30 s. Hits stay."""
+    from tests.unit.test_local_pool import Pool
+
+    pool = Pool(str(tmp_path / "pool.sock"), capacity="4MiB").start()
+    writer, sched = pool.client(timeout_s=5.0), pool.client(timeout_s=5.0, map_arena=False)
+    cache = BlockHitCache(ttl_s=30)
+    try:
+        writer.buffer()
+        assert writer.reserve(["hot"], [4096])[0].status == 0 and writer.commit(["hot"]) == [0]
+        found = sched.exists(["hot", "new"])
+        cache.observe(sched.generation())
+        cache.put("hot", found[0])
+        cache.put("new", found[1])
+        assert (cache.get("hot"), cache.get("new")) == (True, False)
+        sched.exists(["other"])  # no commit in between: the miss stands
+        cache.observe(sched.generation())
+        assert cache.get("new") is False
+        assert writer.reserve(["new"], [4096])[0].status == 0 and writer.commit(["new"]) == [0]
+        sched.exists(["other"])  # any reply carries the pool's commit count
+        cache.observe(sched.generation())
+        assert (cache.get("hot"), cache.get("new")) == (True, None)
+        assert sched.exists(["new"]) == [True]
+    finally:
+        writer.close()
+        sched.close()
+        pool.stop()

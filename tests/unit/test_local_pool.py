@@ -432,7 +432,7 @@ def test_out_of_bounds_slot_from_server_is_refused(sockdir):
             if router.poll(50):
                 frames = router.recv_multipart()
                 packed = lambda v: np.asarray([v], dtype="<i8").tobytes()  # noqa: E731
-                reply = {"ok": True, "epoch": "e1", "gone": 0, "status": packed(0),
+                reply = {"ok": True, "epoch": "e1", "gone": 0, "added": 0, "status": packed(0),
                          "offsets": packed(CAPACITY - 10), "sizes": packed(100), "arena": arena,
                          "capacity": CAPACITY}
                 router.send_multipart(frames[:-1] + [protocol.pack(reply)])

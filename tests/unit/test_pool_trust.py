@@ -134,7 +134,8 @@ class FakePool:
 
 
 def _hello(arena_path, capacity):
-    return {"ok": True, "epoch": "e1", "gone": 0, "arena": arena_path, "capacity": capacity, "found": [False]}
+    return {"ok": True, "epoch": "e1", "gone": 0, "added": 0, "arena": arena_path, "capacity": capacity,
+            "found": [False]}
 
 
 def _arena_file(directory, size, *, mode=0o600, backed=True, name=None):
@@ -179,10 +180,11 @@ BAD_REPLIES = {
     "not msgpack": b"\xc1\xc1\xc1",
     "not a map": protocol.pack([1, 2, 3]),
     "no epoch": protocol.pack({"ok": True, "gone": 0, "found": [True]}),
-    "huge array": protocol.pack({"ok": True, "epoch": "e", "gone": 0, "found": [True] * 70000}),
-    "huge string": protocol.pack({"ok": True, "epoch": "e" * 10000, "gone": 0, "found": [True]}),
-    "wrong length": protocol.pack({"ok": True, "epoch": "e", "gone": 0, "found": [True, True]}),
-    "no gone count": protocol.pack({"ok": True, "epoch": "e", "found": [True]}),
+    "huge array": protocol.pack({"ok": True, "epoch": "e", "gone": 0, "added": 0, "found": [True] * 70000}),
+    "huge string": protocol.pack({"ok": True, "epoch": "e" * 10000, "gone": 0, "added": 0, "found": [True]}),
+    "wrong length": protocol.pack({"ok": True, "epoch": "e", "gone": 0, "added": 0, "found": [True, True]}),
+    "no gone count": protocol.pack({"ok": True, "epoch": "e", "added": 0, "found": [True]}),
+    "no added count": protocol.pack({"ok": True, "epoch": "e", "gone": 0, "found": [True]}),
     "too large": b"\x00" * (protocol.MAX_MESSAGE_BYTES + 1),
 }
 

@@ -110,9 +110,9 @@ class LocalBackend(Backend):
 
     def _note_gone(self, reply: dict) -> None:
         """Advance the generation from a reply (one assignment: readers see it whole)."""
-        gone, digests = reply.get("gone"), reply.get("gone_keys")
-        if not isinstance(gone, int) or gone < 0:
-            raise BackendUnavailable("pool reply without a valid 'gone' count")
+        gone, digests, added = reply.get("gone"), reply.get("gone_keys"), reply.get("added")
+        if not isinstance(gone, int) or gone < 0 or not isinstance(added, int) or added < 0:
+            raise BackendUnavailable("pool reply without valid 'gone' and 'added' counts")
         old = self._generation
         recent = _NONE_GONE
         if old is not None and old.epoch == reply["epoch"] and isinstance(digests, bytes) \
@@ -121,7 +121,7 @@ class LocalBackend(Backend):
             if digests:
                 recent = np.concatenate((recent, np.frombuffer(digests, dtype="<u8")))[-RECENT_GONE:]
         # Otherwise (first reply, new epoch, a pool that forgot): no digests, caches drop all hits.
-        self._generation = Generation(reply["epoch"], gone, recent)
+        self._generation = Generation(reply["epoch"], gone, recent, added)
 
     def _remap(self, hello: dict, map_it: bool = True) -> None:
         mm = trust.check_arena(hello.get("arena"), hello.get("capacity"), self._uids, map_it)

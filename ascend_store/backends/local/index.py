@@ -46,6 +46,7 @@ class PoolIndex:
         self.counters = {"evictions": 0, "expired_leases": 0, "expired_reservations": 0,
                          "no_space": 0}
         self.gone = 0  # ready objects deleted so far
+        self.added = 0  # objects committed so far (clients' cached misses end when it moves)
         self._gone_ring = np.zeros(gone_ring, dtype="<u8")  # their digests, by gone % size
         self.events = EventLog()
         # spill(key, offset, size) -> bool: keeps an evicted object elsewhere (the disk tier);
@@ -85,6 +86,7 @@ class PoolIndex:
                 continue
             obj.ready = True
             obj.deadline = 0.0
+            self.added += 1
             self._lru[key] = None
             self.events.add(STORED, MEMORY, key)
             out.append(Status.OK)

@@ -135,7 +135,7 @@ class PoolServer:
         self.key_queries[msg["op"]] = self.key_queries.get(msg["op"], 0) + len(keys)
         self.repeated_keys += len(keys) - len(set(keys))
         reply = self._dispatch(msg["op"], keys, msg)
-        reply.update(ok=True, epoch=self.epoch, gone=self.index.gone)
+        reply.update(ok=True, epoch=self.epoch, gone=self.index.gone, added=self.index.added)
         if "since" in msg:
             reply["gone_keys"] = self.index.gone_since(msg["since"])
         return protocol.pack(reply)

@@ -37,6 +37,10 @@ class TieredIndex:
     def gone(self) -> int:
         return self.mem.gone
 
+    @property
+    def added(self) -> int:
+        return self.mem.added
+
     def gone_since(self, since: int) -> bytes | None:
         return self.mem.gone_since(since)
 
