@@ -280,6 +280,13 @@ class StoreConfig:
     # many before it); 0 queues every layer at the step's start, which measured best on
     # the H200 in 5 of 6 cases (docs/benchmarks.md).
     load_window: int = 0
+    # GQA/MHA: cut each group's KV heads into this many fixed slices, one object each, so
+    # engines of any TP size dividing it share the pool (0: objects per TP rank; see
+    # docs/parallel.md for when it falls back).
+    head_slices: int = 0
+    # Models of one KV cache group: cut its layers into this many fixed spans, one object
+    # each, so engines of any pipeline split on span boundaries share (0: per stage).
+    layer_slices: int = 0
     local: LocalPoolConfig = field(default_factory=LocalPoolConfig)
     mooncake: StoreServiceConfig = field(default_factory=StoreServiceConfig)
     memcache: MemcacheConfig = field(default_factory=MemcacheConfig)
@@ -287,7 +294,7 @@ class StoreConfig:
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
             "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window",
-            "local",
+            "head_slices", "layer_slices", "local",
             "mooncake", "memcache",
             "lookup_cache")
 
@@ -313,6 +320,8 @@ class StoreConfig:
             defer_state_copy=r.take("defer_state_copy", True, bool),
             copy_path=r.choice("copy_path", "auto", ("auto", "batched", "per_block")),
             load_window=r.take("load_window", 0, int),
+            head_slices=r.take("head_slices", 0, int),
+            layer_slices=r.take("layer_slices", 0, int),
             local=LocalPoolConfig.parse(r.raw.pop("local", None)),
             mooncake=StoreServiceConfig.parse("mooncake", r.raw.pop("mooncake", None),
                                               os.environ.get("MOONCAKE_CONFIG_PATH")
@@ -323,6 +332,9 @@ class StoreConfig:
         r.finish(cls.KEYS)
         if cfg.load_window < 0:
             raise ConfigError(f"load_window: must be >= 0 (0 = every layer at once), got {cfg.load_window}")
+        for name, off in (("head_slices", "objects per TP rank"), ("layer_slices", "objects per stage")):
+            if getattr(cfg, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0 (0 = {off}), got {getattr(cfg, name)}")
         if cfg.copy_path == "batched" and cfg.codec == "zstd":
             raise ConfigError("copy_path: 'batched' moves fixed-size objects; codec 'zstd' needs 'per_block' "
                               "or 'auto'")
