@@ -70,7 +70,8 @@ class PoolWorker:
                                  len(kinds) == 1)
         identity = identity_from_vllm(vllm_config, self.blocks_per_chunk * self.block_size, cfg.codec,
                                       self.sharding)
-        tp_rank, self.pp_rank = _ranks()
+        self.tp_rank, self.pp_rank = _ranks()
+        tp_rank = self.tp_rank
         # What this rank stores and loads (parallel.py): its shard or head slices, of its
         # stage or of the layer spans inside its stage.
         ns, sh = identity.namespace(), self.sharding
@@ -172,7 +173,7 @@ class PoolWorker:
         spec = self.kv_specs[self.layer_ids[name][0]]
         dims = tuple(getattr(spec, a, None) for a in ("num_kv_heads", "block_size", "head_size"))
         dims = None if None in dims else dims
-        shards = [ks.shard for ks in self.keyspaces]
+        shards = self.sharding.shards(self.tp_rank)
         if isinstance(tensor, (list, tuple)):
             if self.sharding.slices:
                 raise ConfigError(f"ascend-store: head_slices does not take tuple caches ({name}); "

@@ -84,3 +84,83 @@ def test_head_slices_are_views_of_whole_heads():
     flash = torch.zeros(2, 5, 2, 4, 6)  # [K/V, blocks, tokens, heads, head size]
     with pytest.raises(ConfigError, match="heads outermost"):
         head_slices(flash, 5, 4, 2)
+
+
+N, BLOCK, HEADS, LAYERS = 9, 16, 4, 4
+
+
+def _worker(pool, monkeypatch, tp: int, rank: int):
+    """A worker of rank ``rank`` of a TP-``tp`` engine, with 4 head slices and 2 layer spans
+    of a 4-layer model of 4 KV heads (a real local pool; ranks are set, not spawned)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from ascend_store import pool_worker
+    from ascend_store.config import StoreConfig
+
+    monkeypatch.setattr(pool_worker, "_ranks", lambda: (rank, 0))
+    cfg = _parallel(tp, kv_heads=HEADS)
+    cfg.model_config.get_total_num_hidden_layers = lambda: LAYERS
+    cfg.cache_config.block_size = BLOCK
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS // tp, head_size=8, dtype=torch.float32)
+    store = StoreConfig.parse({"head_slices": 4, "layer_slices": 2, "chunk_size": 0,
+                               "local": {"socket": pool.socket, "start": "never"}})
+    kv_cache_config = KVCacheConfig(N, [], [KVCacheGroupSpec(names, spec)])
+    return pool_worker.PoolWorker(cfg, kv_cache_config, store, "kv_both")
+
+
+def _save(worker, caches, blocks, chunk):
+    from ascend_store.metadata import ChunkSave, StepMetadata
+
+    meta = StepMetadata(saves=[ChunkSave("r", 0, f"{chunk + i:032x}", [b]) for i, b in enumerate(blocks)])
+    for name in caches:
+        worker.save_kv_layer(name, meta)
+    worker.wait_for_save(meta)
+    worker.handle_preemptions(None)  # the deferred drain: objects committed
+
+
+def _load(worker, caches, blocks, chunk):
+    from ascend_store.metadata import ChunkLoad, StepMetadata
+
+    meta = StepMetadata(loads=[ChunkLoad("r", 0, f"{chunk + i:032x}", [b]) for i, b in enumerate(blocks)])
+    worker.handle_preemptions(meta)
+    worker.start_load_kv(meta)
+    for name in caches:
+        worker.wait_for_layer_load(name)
+    assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_head_slices_shared_between_tp_sizes(pool, monkeypatch):
+    """vLLM CPU pages [blocks, heads, tokens, 2 x head size]: a TP=1 engine's objects load
+    into each TP=2 rank's half of the heads, and the two ranks' objects into a TP=1 engine,
+    byte-exact; each rank touches only the slices of its heads (no missing object)."""
+    g = torch.Generator().manual_seed(0)
+    full = {f"model.layers.{i}.self_attn.attn": torch.randn(N, HEADS, BLOCK, 16, generator=g)
+            for i in range(LAYERS)}
+    one = _worker(pool, monkeypatch, 1, 0)
+    one.register_kv_caches(full)
+    assert len(one.ctx.groups) == 4 * 2  # 4 head slices x 2 layer spans
+    _save(one, full, [1, 2], chunk=0)
+    for rank in (0, 1):
+        half = {n: torch.zeros(N, HEADS // 2, BLOCK, 16) for n in full}
+        w = _worker(pool, monkeypatch, 2, rank)
+        w.register_kv_caches(half)
+        _load(w, half, [5, 6], chunk=0)
+        for n, t in half.items():
+            assert torch.equal(t[5:7], full[n][1:3, 2 * rank:2 * rank + 2]), (rank, n)
+        w.shutdown()
+        half = {n: full[n][:, 2 * rank:2 * rank + 2].clone() for n in full}
+        w = _worker(pool, monkeypatch, 2, rank)
+        w.register_kv_caches(half)
+        _save(w, half, [3], chunk=100)  # each rank writes its heads of chunk 100
+        assert w.counters.total["saved_objects"] == 2 * 2  # 2 slices x 2 spans
+        w.shutdown()
+    target = {n: torch.zeros(N, HEADS, BLOCK, 16) for n in full}
+    one.shutdown()
+    one = _worker(pool, monkeypatch, 1, 0)
+    one.register_kv_caches(target)
+    _load(one, target, [8], chunk=100)
+    for n, t in target.items():
+        assert torch.equal(t[8], full[n][3]), n
+    assert not one.counters.total.get("load_missing")
+    one.shutdown()
