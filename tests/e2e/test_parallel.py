@@ -7,9 +7,10 @@ rank. A load from the pool must give the greedy tokens and logprobs of the engin
 computed them (which had no pool hit), and for the fp32 Llama also those of a
 single-process engine without the connector.
 
-Slow: an engine of two ranks takes 30-40 s here (2 shared cores), one of one rank 15 s;
-the file about 5 minutes (test_round_trip: 35 s per case, hybrid 80 s, shared layouts
-110 s).
+Slow (measured on the 2-core CI machine, 2026-12-02): 4 min 50 s for the file, of which
+test_dense_round_trip 33 s per case, test_mla_stored_once_read_by_every_rank 28 s,
+test_hybrid_tp2_round_trip 68 s, test_shared_layout_across_tp_and_pp_sizes 108 s, and the
+shared single-process baseline 18 s. An engine of two ranks takes 30-35 s to run.
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ def _saved_then_loaded(r: dict) -> None:
 
 @pytest.mark.parametrize("shape", [TP2, PP2], ids=["tp2", "pp2"])
 def test_dense_round_trip(tmp_path, model, baseline, pool, shape):
-    """TP=2 (one KV head per rank) and PP=2 (two layers per stage) save and load the tiny
-    Llama (default layout: an object per rank and chunk); same outputs as one process
-    without the pool."""
+    """(33 s per case) TP=2 (one KV head per rank) and PP=2 (two layers per stage) save
+    and load the tiny Llama (default layout: an object per rank and chunk); same outputs
+    as one process without the pool."""
     r = run_engine(tmp_path, model, [prompts()] * 2, kv_config(pool.socket, local={"start": "never"}),
                    engine_args=shape)
     _saved_then_loaded(r)
@@ -79,7 +80,7 @@ def test_dense_round_trip(tmp_path, model, baseline, pool, shape):
 
 
 def test_mla_stored_once_read_by_every_rank(tmp_path, pool):
-    """DeepSeek-V2-style MLA at TP=2: the latent KV is the same on both ranks, so each
+    """(28 s) DeepSeek-V2-style MLA at TP=2: the latent KV is the same on both ranks, so each
     chunk object is written once (by the rank its hash picks), has no TP rank in its key,
     holds one rank's KV, and both ranks load it.
 
@@ -110,7 +111,7 @@ def test_mla_stored_once_read_by_every_rank(tmp_path, pool):
 
 
 def test_hybrid_tp2_round_trip(tmp_path):
-    """Qwen3-Next (GDN + full attention) at TP=2, KV and recurrent state per rank; the
+    """(68 s) Qwen3-Next (GDN + full attention) at TP=2, KV and recurrent state per rank; the
     loader is a fresh engine (a hybrid hit must not come from the device cache)."""
     model = build_hybrid("qwen3_next")
     pool = Pool(str(tmp_path / "pool" / "pool.sock")).start()
@@ -128,9 +129,10 @@ def test_hybrid_tp2_round_trip(tmp_path):
 
 
 def test_shared_layout_across_tp_and_pp_sizes(tmp_path, model, baseline, pool):
-    """``head_slices: 2`` and ``layer_slices: 2`` (the tiny Llama: 2 KV heads, 4 layers):
-    objects of one KV head and two layers, named without TP or PP size. TP=1 writes and
-    TP=2 reads; TP=2 writes and TP=1 reads; PP=2 writes and PP=1 reads."""
+    """(108 s: four engines) ``head_slices: 2`` and ``layer_slices: 2`` (the tiny Llama:
+    2 KV heads, 4 layers): objects of one KV head and two layers, named without TP or PP
+    size. TP=1 writes and TP=2 reads; TP=2 writes and TP=1 reads; PP=2 writes and PP=1
+    reads."""
     kv = kv_config(pool.socket, local={"start": "never"}, head_slices=2, layer_slices=2)
     a, b, c = prompts(), [p[::-1] for p in prompts()], [p[1:] + p[:1] for p in prompts()]
     tp1 = run_engine(tmp_path, model, [a], kv)  # writes a
