@@ -299,6 +299,13 @@ class StoreConfig:
     # Save full chunks produced during decode too (same chained keys): a conversation's
     # next turn finds its previous answer.
     save_decode_cache: bool = False
+    # GQA/MHA: cut each group's KV heads into this many fixed slices, one object each, so
+    # engines of any TP size dividing it share the pool (0: objects per TP rank; see
+    # docs/parallel.md for when it falls back).
+    head_slices: int = 0
+    # Models of one KV cache group: cut its layers into this many fixed spans, one object
+    # each, so engines of any pipeline split on span boundaries share (0: per stage).
+    layer_slices: int = 0
     local: LocalPoolConfig = field(default_factory=LocalPoolConfig)
     mooncake: StoreServiceConfig = field(default_factory=StoreServiceConfig)
     memcache: MemcacheConfig = field(default_factory=MemcacheConfig)
@@ -306,7 +313,7 @@ class StoreConfig:
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
             "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window",
-            "async_load", "commit_before_reply", "save_decode_cache", "local",
+            "async_load", "commit_before_reply", "save_decode_cache", "head_slices", "layer_slices", "local",
             "mooncake", "memcache",
             "lookup_cache")
 
@@ -335,6 +342,8 @@ class StoreConfig:
             async_load=r.take("async_load", True, bool),
             commit_before_reply=r.take("commit_before_reply", True, bool),
             save_decode_cache=r.take("save_decode_cache", False, bool),
+            head_slices=r.take("head_slices", 0, int),
+            layer_slices=r.take("layer_slices", 0, int),
             local=LocalPoolConfig.parse(r.raw.pop("local", None)),
             mooncake=StoreServiceConfig.parse("mooncake", r.raw.pop("mooncake", None),
                                               os.environ.get("MOONCAKE_CONFIG_PATH")
@@ -345,6 +354,9 @@ class StoreConfig:
         r.finish(cls.KEYS)
         if cfg.load_window < 0:
             raise ConfigError(f"load_window: must be >= 0 (0 = every layer at once), got {cfg.load_window}")
+        for name, off in (("head_slices", "objects per TP rank"), ("layer_slices", "objects per stage")):
+            if getattr(cfg, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0 (0 = {off}), got {getattr(cfg, name)}")
         if cfg.copy_path == "batched" and cfg.codec == "zstd":
             raise ConfigError("copy_path: 'batched' moves fixed-size objects; codec 'zstd' needs 'per_block' "
                               "or 'auto'")

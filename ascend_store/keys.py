@@ -10,12 +10,15 @@ the LoRA adapter and ``cache_salt`` seed the chain, so every chunk of such a req
 differs from the base model's; multimodal items and prompt embeddings are folded into
 the chunks they overlap. A plain request takes none of this.
 
-Key layout: ``{namespace}/g{group}/tp{rank}of{size}/L{first}-{last}/{chain-hash}``.
-One key names one *chunk object*: every layer of one KV cache group for one chunk
-(worker_context.py), so a hit costs one pool entry per chunk, not one per (chunk,
-layer). The layer span is vLLM's global layer ids of the group's layers, so a pipeline
-stage names its own span; the TP shard is part of the key because each rank holds a
-different slice of the heads.
+Key layout: ``{namespace}/g{group}/{shard}/{span}/{chain-hash}``, by default the shard
+``tp{rank}of{size}`` and the span ``pp{stage}of{stages}`` (parallel.py has the others).
+One key names one *chunk object*: every layer of one KV cache group on one pipeline
+stage for one chunk (worker_context.py), so a hit costs one pool entry per chunk and
+shard, not one per (chunk, layer). The TP shard is part of the key because each rank
+holds a different slice of the heads; the stage (not the stage's layer span) because the
+scheduler must name every stage's object and sees only stage 0's layers. MLA caches are
+the same on every TP rank (shard ``tpall``), and head slices (``h{j}of{S}``) hold fixed
+heads: neither namespace names the TP size (docs/parallel.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ascend_store.config import ConfigError
+from ascend_store.parallel import Sharding, sharding
 
 FORMAT_VERSION = 1
 _SEED = b"ascend-store/v1"
@@ -47,11 +51,13 @@ class ModelIdentity:
     kv_cache_dtype: str
     block_size: int
     chunk_size: int
-    tp_size: int
+    tp_size: int  # 0: objects do not depend on it (MLA, head slices: parallel.py)
     device: str
     codec: str = "raw"
     # Quantized caches: the weight quantization carries the (static) KV scales.
     quantization: str = ""
+    head_slices: int = 0
+    layer_slices: int = 0
     format_version: int = FORMAT_VERSION
 
     def namespace(self) -> str:
@@ -67,8 +73,10 @@ def normalize_model_name(model: str) -> str:
     return model.rstrip("/")
 
 
-def identity_from_vllm(vllm_config, chunk_size: int, codec: str = "raw") -> ModelIdentity:
-    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+def identity_from_vllm(vllm_config, chunk_size: int, codec: str = "raw",
+                       shards: Sharding | None = None) -> ModelIdentity:
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    shards = shards or sharding(vllm_config, 0, False)
     if getattr(cc, "calculate_kv_scales", False):
         # Each engine would quantize with scales of its own first batch: the same tokens,
         # other bytes, and nothing in a key could say which engine's scales an object has.
@@ -91,10 +99,12 @@ def identity_from_vllm(vllm_config, chunk_size: int, codec: str = "raw") -> Mode
         kv_cache_dtype=str(cc.cache_dtype),
         block_size=int(cc.block_size),
         chunk_size=chunk_size,
-        tp_size=int(pc.tensor_parallel_size),
+        tp_size=shards.key_tp_size,
         device=str(vllm_config.device_config.device_type),
         codec=codec,
         quantization=str(getattr(mc, "quantization", None) or ""),
+        head_slices=shards.slices,
+        layer_slices=shards.layer_slices,
     )
 
 
@@ -177,17 +187,20 @@ def layer_index(layer_name: str, position: int) -> int:
 
 @dataclass(frozen=True)
 class KeySpace:
+    """Where one shard of some layers' chunk objects lives (parallel.py names them:
+    shards ``tp1of2``, ``tpall`` for MLA, ``h3of4`` for a head slice; spans ``pp0of2``
+    for a pipeline stage, ``L0-7`` for a layer span)."""
+
     namespace: str
-    tp_rank: int
-    tp_size: int
+    shard: str
+    span: str = "pp0of1"  # the layers: a pipeline stage, or a fixed layer span (L0-7)
 
-    def prefix(self, group: int, layers: tuple[int, int]) -> str:
-        """What every chunk object key of a group (with layer ids ``layers[0]..layers[1]``)
-        starts with: its chunk hash follows."""
-        return f"{self.namespace}/g{group}/tp{self.tp_rank}of{self.tp_size}/L{layers[0]}-{layers[1]}/"
+    def prefix(self, group: int) -> str:
+        """What every chunk object key of a group starts with: its chunk hash follows."""
+        return f"{self.namespace}/g{group}/{self.shard}/{self.span}/"
 
-    def key(self, group: int, layers: tuple[int, int], chunk_hash: str) -> str:
-        return self.prefix(group, layers) + chunk_hash
+    def key(self, group: int, chunk_hash: str) -> str:
+        return self.prefix(group) + chunk_hash
 
 
 def partial_hashes(token_ids, chunk_size: int, block_size: int, prev: str | None, start: int,

@@ -5,8 +5,9 @@ Stores and evictions happen in the pool process, so the connector learns of them
 pool's event log (backends/local/events.py): ``take_events``, which vLLM's scheduler calls
 once per step, asks for the entries after the last one it saw (one ``events`` call per step,
 only when ``kv_events_config.enable_kv_cache_events`` is on; none otherwise). Each chunk
-object of TP shard 0 in this engine's namespace becomes one hash in an event (the other
-shards hold the same chunk); consecutive entries of one kind, tier and KV cache group are
+object of this engine's first key space (its first shard and layer span, keys.KeySpace)
+becomes one hash in an event (the other shards and spans hold the same chunk); consecutive
+entries of one kind, tier and KV cache group are
 one event. The hash is the chunk's chain hash (its key's last component, 16 bytes) in the
 form vLLM uses for its own events (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``: its low 64
 bits as an int, by default); ``block_size`` is the chunk's tokens. Token ids and the parent
@@ -25,7 +26,6 @@ from ascend_store.backends.base import BackendUnavailable
 from ascend_store.backends.local.events import MEDIA, STORED
 
 log = logging.getLogger("ascend_store")
-_KEY = re.compile(r"/g(\d+)/tp0of\d+/L\d+-\d+/([0-9a-f]{32})$")
 
 
 def enabled(vllm_config) -> bool:
@@ -34,13 +34,15 @@ def enabled(vllm_config) -> bool:
 
 
 class KVEventFeed:
-    def __init__(self, backend, namespace: str, chunk_tokens: int):
+    def __init__(self, backend, keyspace, chunk_tokens: int):
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         self._stored, self._removed, self._convert = BlockStored, BlockRemoved, maybe_convert_block_hash
         self.backend = backend
-        self.prefix = namespace + "/"
+        self.prefix = keyspace.namespace + "/"
+        self._key = re.compile(rf"^{re.escape(keyspace.namespace)}/g(\d+)/{re.escape(keyspace.shard)}/"
+                               rf"{re.escape(keyspace.span)}/([0-9a-f]{{32}})$")
         self.chunk_tokens = chunk_tokens
         self._cursor = 0
         self._epoch: str | None = None
@@ -68,7 +70,7 @@ class KVEventFeed:
     def _translate(self, codes: bytes, keys: list[str]) -> list:
         events, run, hashes = [], None, []
         for code, key in zip(codes, keys):
-            m = _KEY.search(key) if key.startswith(self.prefix) else None
+            m = self._key.match(key) if key.startswith(self.prefix) else None
             if m is None:
                 continue
             this = (code, int(m.group(1)))

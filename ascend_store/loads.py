@@ -340,7 +340,7 @@ class Loader:
             if job.leased:
                 self.ctx.backend.release(job.leased)
             if job.corrupt:  # the whole chunk object goes: a recompute republishes it
-                self.ctx.backend.remove(sorted({self._key(job, j) for j in job.corrupt}))
+                self.ctx.backend.remove(sorted({k for j in job.corrupt for k in self._keys(job, j)}))
         except BackendUnavailable:
             pass  # the pool drops our leases when their TTL ends
 
@@ -350,9 +350,10 @@ class Loader:
         job.cancelled = True
         job.failed.update(range(len(job.loads)))
 
-    def _key(self, job: LoadJob, j: int) -> str:
+    def _keys(self, job: LoadJob, j: int) -> list[str]:
+        """Every object of load ``j``'s chunk on this rank (one per shard it holds)."""
         ld = job.loads[j]
-        return self.ctx.groups[ld.group].prefix + ld.chunk_hash
+        return [f.prefix + ld.chunk_hash for f in self.ctx.groups.values() if f.source == ld.group]
 
 
 def _walk_parts(host: np.ndarray, offs: np.ndarray, sizes: np.ndarray,

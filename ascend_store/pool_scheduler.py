@@ -35,8 +35,9 @@ from ascend_store.keys import (
     partial_hashes,
     request_extras,
 )
-from ascend_store.layers import ATTN, STATE, group_kinds, layer_ids
+from ascend_store.layers import ATTN, STATE, group_kinds
 from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
+from ascend_store.parallel import sharding
 from ascend_store.stats import AscendStoreStats, IntervalCounters
 
 log = logging.getLogger("ascend_store")
@@ -87,15 +88,17 @@ class PoolScheduler:
         self.blocks_per_chunk = self.chunk // self.block_size
         self.can_load = kv_role in ("kv_both", "kv_consumer")
         self.can_save = kv_role in ("kv_both", "kv_producer")
-        identity = identity_from_vllm(vllm_config, self.chunk, cfg.codec)
-        tp = identity.tp_size
-        self.keyspaces = [KeySpace(identity.namespace(), r, tp) for r in range(tp)]
         self.kinds = group_kinds(kv_cache_config)
-        ids = layer_ids(kv_cache_config).values()
-        spans = {g: (min(i for h, i in ids if h == g), max(i for h, i in ids if h == g)) for g, _ in ids}
-        # One chunk object per (group, TP shard): the keys a chunk needs, per kind.
-        self.attn_layers = [(g, spans[g]) for g in sorted(spans) if self.kinds[g] == ATTN]
-        self.state_layers = [(g, spans[g]) for g in sorted(spans) if self.kinds[g] == STATE]
+        shards = sharding(vllm_config, cfg.head_slices, STATE in self.kinds, cfg.layer_slices,
+                          len(self.kinds) == 1)
+        ns = identity_from_vllm(vllm_config, self.chunk, cfg.codec, shards).namespace()
+        # A hit needs the chunk's object of every group in every shard of every layer span
+        # (parallel.py: a shard per TP rank, one for MLA, or head slices; a span per
+        # pipeline stage, or fixed layer spans).
+        self.keyspaces = [KeySpace(ns, shard, span) for span in shards.all_spans()
+                          for shard in shards.all_shards()]
+        self.attn_groups = [g for g, kind in enumerate(self.kinds) if kind == ATTN]
+        self.state_groups = [g for g, kind in enumerate(self.kinds) if kind == STATE]
         if len(self.kinds) > 1:  # vLLM cannot map block-level load failures itself
             seams.install_failed_load_preemption()
         self.backend = create_backend(cfg, role="scheduler") if self.can_load else None
@@ -111,7 +114,7 @@ class PoolScheduler:
         self.save_decode = cfg.save_decode_cache and self.can_save and not self.state_layers
         self.counters = IntervalCounters()
         # The pool's tier events as vLLM KV events (kv_events.py): one pool call per step, when on.
-        self.kv_events = kv_events.KVEventFeed(self.backend, identity.namespace(), self.chunk) \
+        self.kv_events = kv_events.KVEventFeed(self.backend, self.keyspaces[0], self.chunk) \
             if self.backend is not None and kv_events.enabled(vllm_config) else None
 
     # -- lookup ---------------------------------------------------------------
@@ -124,7 +127,7 @@ class PoolScheduler:
         past it is asked); the rest goes to the pool in one batch and is cached."""
         self.counters["lookups"] += 1
         cache = self.hit_cache
-        tags = [("", self.attn_layers)] + ([(STATE_TAG, self.state_layers)] if self.state_layers else [])
+        tags = [("", self.attn_groups)] + ([(STATE_TAG, self.state_groups)] if self.state_groups else [])
         known: dict[tuple[str, int], bool] = {}
         end = len(hashes)
         if cache is not None:
@@ -148,15 +151,15 @@ class PoolScheduler:
         while prefix < end and known[("", prefix)]:
             prefix += 1
         prefix = min(prefix, limit)
-        if not self.state_layers:
+        if not self.state_groups:
             return max(prefix, start)
         return next((c + 1 for c in range(prefix - 1, start - 1, -1) if known[(STATE_TAG, c)]), start)
 
     def _exists(self, items: list[tuple[str, str, list]]) -> list[bool] | None:
-        """One pool call for ``items`` (hit-cache entry, chunk hash, (group, layer span)s):
+        """One pool call for ``items`` (hit-cache entry, chunk hash, groups):
         whether every shard's object of each is there, cached; None (counted) when the pool
         cannot answer."""
-        keys = [ks.key(g, span, h) for _, h, groups in items for ks in self.keyspaces for g, span in groups]
+        keys = [ks.key(g, h) for _, h, groups in items for ks in self.keyspaces for g in groups]
         self.counters["lookup_rpcs"] += 1
         try:
             found = self.backend.exists(keys)
@@ -192,7 +195,7 @@ class PoolScheduler:
         known = {h: cache.get(TAIL_TAG + h) for h in tails} if cache is not None else {}
         ask = [h for h in tails if known.get(h) is None]
         if ask:
-            found = self._exists([(TAIL_TAG + h, h, self.attn_layers) for h in ask])
+            found = self._exists([(TAIL_TAG + h, h, self.attn_groups) for h in ask])
             if found is None:
                 return None
             known.update(zip(ask, found))
@@ -221,14 +224,14 @@ class PoolScheduler:
         t0 = time.perf_counter()
         # vLLM computes at least the last prompt token itself; a hybrid hit must also end
         # on a chunk boundary, where the pool holds the state.
-        limit = (len(prompt) - 1) // self.chunk if self.state_layers else len(state.hashes)
+        limit = (len(prompt) - 1) // self.chunk if self.state_groups else len(state.hashes)
         hit = self._pool_hit_chunks(state.hashes, start, limit)
         self.counters["lookup_seconds"] += time.perf_counter() - t0
         state.saved_chunks = max(start, hit)
         state.pool_hit = hit
         hit_tokens = hit * self.chunk
         state.tail_hit = None
-        if not self.state_layers:
+        if not self.state_groups:
             state.tail_hit = self._tail_hit(state, hit)
             if state.tail_hit is not None:
                 hit_tokens += state.tail_hit[1] * self.block_size
@@ -362,7 +365,7 @@ class PoolScheduler:
         """Once the whole prompt is computed: save its whole blocks past the last full
         chunk as one partial object (dense models). Returns its hash when planned."""
         prompt = state.request.prompt_token_ids or []
-        if self.state_layers or state.tail_saved or computed_after_step < len(prompt):
+        if self.state_groups or state.tail_saved or computed_after_step < len(prompt):
             return None
         state.tail_saved = True
         done = len(prompt) // self.chunk

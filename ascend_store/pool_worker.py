@@ -21,7 +21,7 @@ from ascend_store import seams
 from ascend_store.async_loads import AsyncLoads
 from ascend_store.backends import BackendUnavailable, create_backend
 from ascend_store.codecs import get_codec
-from ascend_store.config import StoreConfig
+from ascend_store.config import ConfigError, StoreConfig
 from ascend_store.device import PinError, batched_copies
 from ascend_store.device_path import DevicePath
 from ascend_store.hybrid import DeferredStateCopies, state_layout
@@ -29,6 +29,7 @@ from ascend_store.keys import KeySpace, identity_from_vllm
 from ascend_store.layers import STATE, group_kinds, layer_ids
 from ascend_store.loads import Loader
 from ascend_store.metadata import StepMetadata, WorkerReport
+from ascend_store.parallel import head_slices, sharding
 from ascend_store.saves import Saver
 from ascend_store.stats import AscendStoreStats, IntervalCounters
 from ascend_store.transfer import LayerLayout
@@ -37,13 +38,14 @@ from ascend_store.worker_context import GroupFormat, WorkerContext
 log = logging.getLogger("ascend_store")
 
 
-def _tp_rank() -> int:
+def _ranks() -> tuple[int, int]:
+    """This worker's (TP rank, pipeline stage)."""
     try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-        return get_tensor_model_parallel_rank()
+        return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
     except (AssertionError, ImportError):  # no TP group (single process tools, tests)
-        return 0
+        return 0, 0
 
 
 def _has_preemption_hook() -> bool:
@@ -61,12 +63,21 @@ class PoolWorker:
         self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
         self.blocks_per_chunk = cfg.chunk_tokens(self.block_size) // self.block_size
-        identity = identity_from_vllm(vllm_config, self.blocks_per_chunk * self.block_size, cfg.codec)
         self.codec = get_codec(cfg.codec)
         self.kv_specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-        self.keyspace = KeySpace(identity.namespace(), _tp_rank(), identity.tp_size)
         self.layer_ids = layer_ids(kv_cache_config)
         kinds = group_kinds(kv_cache_config)
+        self.sharding = sharding(vllm_config, cfg.head_slices, STATE in kinds, cfg.layer_slices,
+                                 len(kinds) == 1)
+        identity = identity_from_vllm(vllm_config, self.blocks_per_chunk * self.block_size, cfg.codec,
+                                      self.sharding)
+        self.tp_rank, self.pp_rank = _ranks()
+        tp_rank = self.tp_rank
+        # What this rank stores and loads (parallel.py): its shard or head slices, of its
+        # stage or of the layer spans inside its stage.
+        ns, sh = identity.namespace(), self.sharding
+        self.keyspaces = [KeySpace(ns, shard, span) for span in sh.spans(self.pp_rank)
+                          for shard in sh.shards(tp_rank)]
         # Linear-attention layers: one state object per chunk boundary, always raw bytes.
         self.state_layers = {n for n, (g, _) in self.layer_ids.items() if kinds[g] == STATE}
         self.num_blocks = kv_cache_config.num_blocks
@@ -75,11 +86,13 @@ class PoolWorker:
         self.ctx = WorkerContext(
             cfg, self.backend, self.counters, self.blocks_per_chunk, self.state_layers,
             {n: get_codec("raw") if n in self.state_layers else self.codec for n in self.layer_ids})
+        if self.sharding.replicated:  # MLA: one copy of each chunk for all TP ranks
+            self.ctx.writer = (tp_rank, self.sharding.tp_size)
         self.loader = Loader(self.ctx)
         self.async_loads = AsyncLoads(self.ctx)
         self.saver = Saver(self.ctx, cfg.defer_save_drain and _has_preemption_hook())
         self.state_copies: DeferredStateCopies | None = None
-        self.parts: dict[str, list[str]] = {}  # layer -> its tuple parts (vllm-ascend caches)
+        self.parts: dict[str, list[str]] = {}  # layer -> its parts (tuple caches, head slices)
         self._step_loads = False
         self._waited: set[str] = set()
         self.load_step_layers: deque[int] = deque(maxlen=4096)  # layers that waited, per loading step
@@ -107,21 +120,34 @@ class PoolWorker:
                          else seams.state_views(self.vllm_config, name))
                 ctx.layouts[name] = state_layout(views, self.num_blocks)
                 continue
-            for part, t in self._parts(name, tensor):
-                ctx.layouts[part] = self._layout(part, t, whole=part == name)
+            for part, t, dims in self._parts(name, tensor):
+                ctx.layouts[part] = self._layout(part, t, dims)
         ctx.order = [p for n in self.layer_ids for p in self.parts.get(n, (n,)) if p in ctx.layouts]
-        for g in sorted({self.layer_ids[self.layer_of(p)][0] for p in ctx.order}):
-            names = [p for p in ctx.order if self.layer_ids[self.layer_of(p)][0] == g]
-            ids = [self.layer_ids[self.layer_of(p)][1] for p in names]
-            labels = [f"{i}{p[len(self.layer_of(p)):]}" for i, p in zip(ids, names)]  # 7, or 7#0 for a part
-            ctx.groups[g] = GroupFormat.of(g, self.keyspace.prefix(g, (min(ids), max(ids))), names, labels,
-                                           ctx.layouts, ctx.codecs)
-            ctx.group_of.update({n: (g, i) for i, n in enumerate(names)})
+        held = {self.layer_ids[self.layer_of(p)][0] for p in ctx.order}
+        empty = sorted(set(range(len(self.kv_specs))) - held)
+        if empty:  # the scheduler asks every stage for every group's object
+            raise ConfigError(f"ascend-store: KV cache groups {empty} have no layer on pipeline stage "
+                              f"{self.pp_rank}; choose a pipeline split that gives every stage "
+                              "layers of every group (docs/parallel.md)")
+        n = len(self.keyspaces)
+        for g in sorted(held):
+            for k, ks in enumerate(self.keyspaces):
+                names = [p for p in ctx.order
+                         if self.layer_ids[self.layer_of(p)][0] == g and self._holds(ks, p)]
+                if not names:
+                    raise ConfigError(f"ascend-store: no layer of KV cache group {g} on this rank belongs in "
+                                      f"{ks.prefix(g)} (docs/parallel.md)")
+                ids = [self.layer_ids[self.layer_of(p)][1] for p in names]
+                labels = [f"{i}{p[len(self.layer_of(p)):]}" for i, p in zip(ids, names)]  # 7, 7#0, 7#h1of2
+                fid = g * n + k  # one object format per (group, shard)
+                ctx.groups[fid] = GroupFormat.of(fid, ks.prefix(g), names, labels, ctx.layouts, ctx.codecs,
+                                                 source=g)
+                ctx.group_of.update({p: (fid, i) for i, p in enumerate(names)})
         states = {n: ctx.layouts[n] for n in ctx.order if n in self.state_layers}
         first = ctx.layouts[next(n for n in ctx.order if n not in states)]
         log.info("ascend-store: %d layers (%d with recurrent state) in %d chunk objects per chunk, page "
                  "%s (%d bytes), %d blocks per chunk, keys %s", len(ctx.order), len(states), len(ctx.groups),
-                 first.describe(), first.page_bytes, self.blocks_per_chunk, self.keyspace.namespace)
+                 first.describe(), first.page_bytes, self.blocks_per_chunk, self.keyspaces[0].namespace)
         if states:
             self._install_hybrid(states)
         device = ctx.layouts[ctx.order[0]].tensor.device
@@ -141,24 +167,44 @@ class PoolWorker:
                 ctx.device_path = None
         log.info("ascend-store: copy path %s on %s", "batched" if ctx.device_path else "per_block", device)
 
-    def _parts(self, name: str, tensor) -> list[tuple[str, torch.Tensor]]:
-        """vLLM hands one tensor per layer; vllm-ascend a tuple: (K, V) split caches, MLA's
-        (nope, rope) with different last dims, or more (an indexer cache). Each tensor of a
-        tuple is its own part of the chunk object, ``{layer}#{i}``, moved like a layer."""
-        if not isinstance(tensor, (list, tuple)):
-            return [(name, tensor)]
-        parts = [(f"{name}#{i}", t) for i, t in enumerate(tensor)]
-        self.parts[name] = [p for p, _ in parts]
+    def _parts(self, name: str, tensor) -> list[tuple[str, torch.Tensor, tuple | None]]:
+        """(part, tensor, KV dims) of a layer. vLLM hands one tensor per layer; vllm-ascend a
+        tuple: (K, V) split caches, MLA's (nope, rope) with different last dims, or more (an
+        indexer cache): each tensor is its own part of the chunk object, ``{layer}#{i}``.
+        With head slices each slice is a part ``{layer}#h{j}of{S}`` of its slice's object."""
+        spec = self.kv_specs[self.layer_ids[name][0]]
+        dims = tuple(getattr(spec, a, None) for a in ("num_kv_heads", "block_size", "head_size"))
+        dims = None if None in dims else dims
+        shards = self.sharding.shards(self.tp_rank)
+        if isinstance(tensor, (list, tuple)):
+            if self.sharding.slices:
+                raise ConfigError(f"ascend-store: head_slices does not take tuple caches ({name}); "
+                                  "set head_slices: 0")
+            parts = [(f"{name}#{i}", t, None) for i, t in enumerate(tensor)]  # dims: a whole page's
+        elif self.sharding.slices:
+            heads = dims[0] // len(shards)
+            views = head_slices(tensor, self.num_blocks, dims[0], len(shards))
+            parts = [(f"{name}#{s}", v, (heads, *dims[1:])) for s, v in zip(shards, views)]
+        else:
+            return [(name, tensor, dims)]
+        self.parts[name] = [p for p, _, _ in parts]
         return parts
+
+    def _holds(self, ks: KeySpace, part: str) -> bool:
+        """Whether a layer part goes into ``ks``'s objects: its head slice (parts end in
+        ``#h{j}of{S}``) and its layer span (``L{first}-{last}``)."""
+        if self.sharding.slices and not part.endswith("#" + ks.shard):
+            return False
+        if self.sharding.layer_slices:
+            first, last = map(int, ks.span[1:].split("-"))
+            return first <= self.layer_ids[self.layer_of(part)][1] <= last
+        return True
 
     def layer_of(self, part: str) -> str:
         return part.split("#", 1)[0]
 
-    def _layout(self, part: str, tensor: torch.Tensor, whole: bool) -> LayerLayout:
-        spec = self.kv_specs[self.layer_ids[self.layer_of(part)][0]]
-        dims = tuple(getattr(spec, a, None) for a in ("num_kv_heads", "block_size", "head_size"))
-        # The KV dims describe a whole layer's page; a tuple's part is only some of it.
-        layout = LayerLayout.of(tensor, self.num_blocks, dims if whole and None not in dims else None)
+    def _layout(self, part: str, tensor: torch.Tensor, dims: tuple | None) -> LayerLayout:
+        layout = LayerLayout.of(tensor, self.num_blocks, dims)
         try:
             self.codec.check(layout)
         except ValueError as exc:

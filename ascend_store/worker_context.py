@@ -39,13 +39,15 @@ class GroupFormat:
     before: np.ndarray  # per layer: payload bytes per block of the layers before it
     salts: np.ndarray  # per layer: xor-ed into its parts' fingerprints
     fixed: bool  # fixed-size codec: parts at computable offsets
+    source: int  # the vLLM KV cache group whose chunks it holds (a group has one format per shard)
 
     @classmethod
-    def of(cls, group: int, prefix: str, layers: list[str], ids: list, layouts: dict, codecs: dict):
+    def of(cls, group: int, prefix: str, layers: list[str], ids: list, layouts: dict, codecs: dict,
+           source: int | None = None):
         per_block = np.asarray([codecs[n].payload_bytes(layouts[n], 1) for n in layers], dtype=np.int64)
         before = np.concatenate([[0], np.cumsum(per_block)[:-1]]).astype(np.int64)
         return cls(group, prefix, layers, per_block, before, layer_salts(ids),
-                   all(codecs[n].fixed_size for n in layers))
+                   all(codecs[n].fixed_size for n in layers), group if source is None else source)
 
     def size(self, blocks: np.ndarray) -> np.ndarray:
         """Bytes of objects of ``blocks`` blocks (an upper bound for variable codecs)."""
@@ -96,9 +98,12 @@ class WorkerContext:
     codecs: dict[str, object]  # layer -> codec
     layouts: dict[str, LayerLayout] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # registered layers, in model order
-    groups: dict[int, GroupFormat] = field(default_factory=dict)
-    group_of: dict[str, tuple[int, int]] = field(default_factory=dict)  # layer -> (group, index in it)
+    groups: dict[int, GroupFormat] = field(default_factory=dict)  # object formats (group, shard)
+    group_of: dict[str, tuple[int, int]] = field(default_factory=dict)  # layer -> (format, index in it)
     device_path: DevicePath | None = None  # the batched copy path, when on
+    # (this rank, ranks that share each object): MLA's TP ranks hold the same KV, so
+    # each chunk object is written by one of them (picked by its hash) and read by all.
+    writer: tuple[int, int] = (0, 1)
     _arena: tuple[str, torch.Tensor] | None = None
 
     def arena(self) -> torch.Tensor:
@@ -117,13 +122,16 @@ class WorkerContext:
     def plan(self, chunks: list, dedupe: bool = False) -> list[GroupStep]:
         """The step's chunk objects per group. Requests sharing a prefix name the same
         object: each is leased or reserved once; ``dedupe`` (saves) keeps only the first
-        entry of each object."""
+        entry of each object, and only objects this rank writes."""
+        rank, sharing = self.writer
+        if dedupe and sharing > 1:
+            chunks = [c if int(c.chunk_hash[:8], 16) % sharing == rank else None for c in chunks]
         out = []
-        for g, fmt in self.groups.items():
+        for fmt in self.groups.values():
             index: dict[str, int] = {}
             entries, obj, blocks = [], [], []
             for j, c in enumerate(chunks):
-                if c.group != g:
+                if c is None or c.group != fmt.source:
                     continue
                 key = fmt.prefix + c.chunk_hash
                 k = index.get(key)

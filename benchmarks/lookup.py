@@ -39,7 +39,7 @@ def fake_vllm(layers: int, block: int = BLOCK):
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(model="bench-model", revision=None, dtype="bfloat16"),
         cache_config=SimpleNamespace(block_size=block, cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         device_config=SimpleNamespace(device_type="cpu"))
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     spec = FullAttentionSpec(block_size=block, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
@@ -79,9 +79,9 @@ def main() -> None:
         # Publish every chunk of every prompt so each lookup is a full hit.
         pub = PoolScheduler(vllm_config, kv_cache_config, base, "kv_both")
         client = LocalBackend(LocalPoolConfig(socket=socket, start="never"), map_arena=False)
-        keys = sorted({ks.key(g, layer, h) for prompts in steps for p in prompts
+        keys = sorted({ks.key(g, h) for prompts in steps for p in prompts
                        for h in pub.request_chain(_request("pub", p))[0] for ks in pub.keyspaces
-                       for g, layer in pub.attn_layers})
+                       for g in pub.attn_groups})
         for i in range(0, len(keys), 20_000):
             batch = keys[i:i + 20_000]
             client.reserve(batch, [64] * len(batch))

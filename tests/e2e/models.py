@@ -123,5 +123,30 @@ def build_hybrid(kind: str) -> str:
     return out_dir
 
 
+def build_mla(name: str = "mla-tiny", layers: int = 2) -> str:
+    """Build (once) a tiny random bf16 DeepSeek-V2-style MLA model. vLLM's CPU MLA kernel
+    only takes DeepSeek's latent width (kv_lora_rank 512 + rope 64 = 576) in bf16/fp16;
+    everything else is small, and the MLP is dense (no experts) in every layer."""
+    out_dir = os.path.abspath(os.path.join(ROOT, name))
+    if os.path.exists(os.path.join(out_dir, "done")):
+        return out_dir
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    os.makedirs(out_dir, exist_ok=True)
+    _tokenizer(out_dir, 512)
+    torch.manual_seed(0)
+    cfg = DeepseekV2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+                           qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                           first_k_dense_replace=layers, n_routed_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=64, max_position_embeddings=4096, initializer_range=0.15,
+                           bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, torch_dtype="bfloat16")
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    with open(os.path.join(out_dir, "done"), "w") as f:
+        json.dump({"layers": layers}, f)
+    return out_dir
+
+
 if __name__ == "__main__":
     print(build_llama())

@@ -4,7 +4,7 @@
     python tests/e2e/pool_tamper.py swap SOCKET SET:INDEX     # swap the first two layers' parts
     python tests/e2e/pool_tamper.py remove SOCKET SET:INDEX   # delete the prompt's objects
     (flip and remove take an optional last argument: the chunk objects to touch by their
-    layer span, e.g. L0-2 for a group of layers 0 and 2)
+    KV cache group, e.g. g0)
     python tests/e2e/pool_tamper.py kill SOCKET               # SIGKILL the pool
     python tests/e2e/pool_tamper.py restart SOCKET            # SIGKILL it, start a new one
 SET is a prompt set of tests/e2e/conftest.py (PROMPT_SETS), INDEX a prompt in it.
@@ -22,11 +22,11 @@ from ascend_store.backends.local.client import LocalBackend
 from ascend_store.backends.local.launcher import ping
 from ascend_store.config import LocalPoolConfig
 from ascend_store.keys import chunk_hashes
-from ascend_store.transfer import HEADER_BYTES
+from ascend_store.transfer import HEADER, HEADER_BYTES
 from tests.e2e.conftest import BLOCK, CHUNK_OF_SET, PROMPT_SETS
 
 
-def main(op: str, socket: str, prompt: str = "basic:0", layers: str = "") -> None:
+def main(op: str, socket: str, prompt: str = "basic:0", groups: str = "") -> None:
     client = LocalBackend(LocalPoolConfig(socket=socket, start="never"), timeout_s=2.0)
     if op in ("kill", "restart"):
         old = client.stats()
@@ -43,9 +43,9 @@ def main(op: str, socket: str, prompt: str = "basic:0", layers: str = "") -> Non
         return
     name, index = prompt.split(":")
     hashes = set(chunk_hashes(PROMPT_SETS[name]()[int(index)], CHUNK_OF_SET.get(name, BLOCK)))
-    wanted = set(layers.split(",")) if layers else None
+    wanted = set(groups.split(",")) if groups else None
     keys = sorted(k for k, _, ready, _ in client.list() if ready and k.rsplit("/", 1)[1] in hashes
-                  and (wanted is None or k.split("/")[-2] in wanted))
+                  and (wanted is None or k.split("/")[1] in wanted))
     if op == "remove":  # idempotent: nothing stored is fine
         print(f"remove: {client.remove(keys)}")
         return
@@ -56,9 +56,8 @@ def main(op: str, socket: str, prompt: str = "basic:0", layers: str = "") -> Non
         for s in slots.values():
             view[s.offset + HEADER_BYTES + 7] ^= 0x40
     elif op == "swap":  # a chunk object's layers have equal parts here (raw codec, one layout)
-        for k, s in slots.items():
-            lo, hi = map(int, k.split("/")[-2][1:].split("-"))
-            part = s.size // (hi - lo + 1)
+        for s in slots.values():  # the first part's length is in its header
+            part = HEADER_BYTES + HEADER.unpack(bytes(view[s.offset:s.offset + HEADER_BYTES]))[4]
             a, b = s.offset, s.offset + part
             tmp = bytes(view[a:a + part])
             view[a:a + part] = view[b:b + part]

@@ -2,7 +2,8 @@
 
 Each engine gets a fresh process, so a pool hit can only come from the pool. Usage:
     python tests/e2e/runner.py JOB.json   (prints one JSON line prefixed with RESULT)
-Job: {"model", "kv_config" | null, "rounds": [[token-id prompts], ...], "max_tokens",
+Job: {"model", "kv_config" | null, "rounds": [[token-id prompts] or "continue" (the last
+      round's prompts, each extended by its first output token), ...], "max_tokens",
       "block_size", "prefix_caching", "reset_between_rounds",
       "between": [shell command run after round i, or null], "engine_args": {...},
       "round_extra_args": [SamplingParams.extra_args per round, or null],
@@ -11,6 +12,9 @@ Job: {"model", "kv_config" | null, "rounds": [[token-id prompts], ...], "max_tok
       "kv_events": KVEventsConfig fields (vLLM's KV event publisher), or absent,
       "trace_memory": true to report Python allocations by ascend_store code that outlive
                       rounds 3.. (result "traced_growth", bytes)}
+With ``engine_args`` {"distributed_executor_backend": "mp", "tensor_parallel_size" or
+"pipeline_parallel_size": N} the ranks are processes of their own (docs/parallel.md), and
+"rank_workers" holds each rank's connector counters.
 """
 
 from __future__ import annotations
@@ -38,6 +42,34 @@ def _connectors(llm):
     except AttributeError:
         scheduler = None
     return scheduler, worker
+
+
+def _rank_counters(_worker) -> dict:
+    """Run in each worker process (``collective_rpc``): its connector's counters."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return dict(get_kv_transfer_group().worker.counters.total) if has_kv_transfer_group() else {}
+
+
+def _bind_threads(engine_args: dict) -> None:
+    """vLLM CPU's multiprocessing executor wants one OpenMP core list per rank: rank i
+    gets core i modulo the cores there are ("0|1" for two ranks on the 2-core CI)."""
+    world = engine_args.get("tensor_parallel_size", 1) * engine_args.get("pipeline_parallel_size", 1)
+    if world > 1:
+        cores = os.cpu_count() or 1
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(world))
+
+
+def _stage_buffers(wrapper) -> None:
+    """Run in each worker process: give a later pipeline stage the buffers it receives
+    activations in. vLLM 0.32's CPU runner makes them only in its warm-up run, which eager
+    mode skips (a later stage then fails ``assert self.intermediate_tensors is not None``)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    runner = getattr(wrapper, "worker", wrapper).model_runner
+    if not get_pp_group().is_first_rank and runner.intermediate_tensors is None:
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
 
 
 def _rss_bytes() -> int:
@@ -71,6 +103,7 @@ def main(job_path: str) -> None:
                   enable_prefix_caching=job.get("prefix_caching", False), max_model_len=2048,
                   max_num_seqs=8, distributed_executor_backend="uni", enforce_eager=True, seed=0)
     kwargs.update(job.get("engine_args", {}))
+    _bind_threads(kwargs)
     if job.get("kv_config"):
         from vllm.config import KVTransferConfig
 
@@ -80,6 +113,8 @@ def main(job_path: str) -> None:
 
         kwargs["kv_events_config"] = KVEventsConfig(**job["kv_events"])
     llm = LLM(**kwargs)
+    if kwargs.get("pipeline_parallel_size", 1) > 1:
+        llm.collective_rpc(_stage_buffers)
     loras = {name: LoRARequest(name, i + 1, path)
              for i, (name, path) in enumerate(job.get("loras", {}).items())}
     params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=0,
@@ -91,6 +126,9 @@ def main(job_path: str) -> None:
     per_round = []
     trace = job.get("trace_memory") and _start_trace()
     for i, prompts in enumerate(job["rounds"]):
+        if prompts == "continue":  # the last round's prompts, each with its first output token
+            prompts = [p + [o["token_ids"][0]] for p, o in zip(job["rounds"][i - 1], rounds[-1])]
+            job["rounds"][i] = prompts
         if i and job.get("reset_between_rounds"):
             llm.reset_prefix_cache()
         if i and i - 1 < len(between) and between[i - 1]:
@@ -120,6 +158,8 @@ def main(job_path: str) -> None:
     result = {"rounds": rounds, "per_round": per_round}
     if trace:
         result["traced_growth"] = sum(d.size_diff for d in _ascend_snapshot().compare_to(trace, "filename"))
+    if kwargs["distributed_executor_backend"] == "mp" and job.get("kv_config"):
+        result["rank_workers"] = llm.collective_rpc(_rank_counters)  # per rank, in rank order
     if worker is not None:
         result["worker"] = dict(worker.counters.total)
         result["step_hooks"] = list(worker.step_hooks)

@@ -25,7 +25,7 @@ from tests.e2e.models import build_hybrid
 
 pytestmark = pytest.mark.e2e
 TAMPER = f"{sys.executable} {os.path.join(REPO, 'tests', 'e2e', 'pool_tamper.py')}"
-STATE_LAYERS = "L0-2"  # the chunk objects of the state layers' group (ids 0 and 2)
+STATE_GROUP = "g0"  # the chunk objects of the state layers' group (vLLM groups layer 0's type first)
 ENGINE = dict(dtype="bfloat16", prefix_caching=True, block_size=None, stubs=True)
 # Pool hits of hybrid_prompts(): 2 blocks (the state after block 2 exists: vLLM's aligned
 # prefill split ends a step there), the same for the prompt sharing them, 1 block.
@@ -103,8 +103,8 @@ def test_corrupt_or_missing_state_recomputes(tmp_path):
     baseline = run_engine(tmp_path, model, [hybrid_prompts()], **ENGINE)["rounds"][0]
     pool = Pool(str(tmp_path / "pool" / "pool.sock")).start()
     try:
-        between = [f"{TAMPER} flip {pool.socket} hybrid:0 {STATE_LAYERS}", None,
-                   f"{TAMPER} remove {pool.socket} hybrid:2 {STATE_LAYERS}"]
+        between = [f"{TAMPER} flip {pool.socket} hybrid:0 {STATE_GROUP}", None,
+                   f"{TAMPER} remove {pool.socket} hybrid:2 {STATE_GROUP}"]
         r = run_engine(tmp_path, model, [hybrid_prompts()] * 4,
                        kv_config(pool.socket, local={"start": "never"}), between=between,
                        reset_between_rounds=True, **ENGINE)

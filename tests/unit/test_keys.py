@@ -152,11 +152,11 @@ def test_layer_index():
 
 def test_keyspace_key_format_and_validity():
     ns = _identity().namespace()
-    key = KeySpace(ns, tp_rank=1, tp_size=2).key(0, (0, 27), GOLDEN_0_64_32[0])
-    assert key == f"{ns}/g0/tp1of2/L0-27/{GOLDEN_0_64_32[0]}"
+    key = KeySpace(ns, "tp1of2").key(0, GOLDEN_0_64_32[0])
+    assert key == f"{ns}/g0/tp1of2/pp0of1/{GOLDEN_0_64_32[0]}"
     assert KEY_RE.fullmatch(key)
-    assert KeySpace(ns, 0, 2).key(0, (0, 27), GOLDEN_0_64_32[0]) != key
-    assert KeySpace(ns, 1, 2).key(0, (14, 27), GOLDEN_0_64_32[0]) != key  # another pipeline stage
+    assert KeySpace(ns, "tp0of2").key(0, GOLDEN_0_64_32[0]) != key
+    assert KeySpace(ns, "tp1of2", "pp1of2").key(0, GOLDEN_0_64_32[0]) != key  # another pipeline stage
 
 
 def test_partial_hashes_chain_and_differ_from_full_chunks():
@@ -339,7 +339,7 @@ def test_dynamic_kv_scales_are_refused_with_the_reason():
     cfg = SimpleNamespace(
         model_config=SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
         cache_config=SimpleNamespace(block_size=16, cache_dtype="fp8", calculate_kv_scales=True),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         device_config=SimpleNamespace(device_type="cpu"))
     with pytest.raises(ConfigError, match="calculate_kv_scales"):
         identity_from_vllm(cfg, 16)

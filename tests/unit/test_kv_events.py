@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from ascend_store.backends.local.events import EventLog
+from ascend_store.keys import KeySpace
 from ascend_store.kv_events import KVEventFeed
 from tests.unit.test_local_pool import Pool, _get, _pattern, _put
 
@@ -14,7 +15,7 @@ NS = "ns"
 
 
 def _key(i: int, tp: int = 0, group: int = 0) -> str:
-    return f"{NS}/g{group}/tp{tp}of2/L0-3/{i:032x}"
+    return KeySpace(NS, f"tp{tp}of2", "pp0of1").key(group, f"{i:032x}")
 
 
 def _tally(events) -> dict:
@@ -29,13 +30,13 @@ def test_feed_reports_stores_spills_promotions_and_drops(sockdir):
                 extra=("--disk-path", os.path.join(sockdir, "disk"), "--disk-capacity", "1MiB")).start()
     try:
         c = pool.client()
-        feed = KVEventFeed(c, NS, chunk_tokens=256)
+        feed = KVEventFeed(c, KeySpace(NS, "tp0of2"), chunk_tokens=256)
         size = 100 * 2**10
         for i in range(12):
             _put(c, _key(i), _pattern(i, size))
         _put(c, _key(0, tp=1), b"x" * 512)  # another shard of chunk 0: not reported twice
         _put(c, _key(1, group=1), b"y" * 512)  # another KV cache group: its own events
-        _put(c, f"other/g0/tp0of2/L0-3/{5:032x}", b"z" * 512)  # another model's namespace
+        _put(c, KeySpace("other", "tp0of2").key(0, f"{5:032x}"), b"z" * 512)  # another model's namespace
         t = _tally(feed.take())
         assert t[("BlockStored", "CPU", 0)] == list(range(12))
         assert t[("BlockStored", "CPU", 1)] == [1]
@@ -67,7 +68,7 @@ def test_feed_follows_a_restarted_pool(sockdir):
     pool = Pool(os.path.join(sockdir, "pool.sock"), capacity="1MiB", extra=disk).start()
     try:
         c = pool.client()
-        feed = KVEventFeed(c, NS, chunk_tokens=256)
+        feed = KVEventFeed(c, KeySpace(NS, "tp0of2"), chunk_tokens=256)
         for i in range(3):
             _put(c, _key(i), b"k" * 1024)
         assert _tally(feed.take())[("BlockStored", "CPU", 0)] == [0, 1, 2]
