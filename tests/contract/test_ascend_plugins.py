@@ -109,7 +109,7 @@ def test_int8_plugin_scales_are_per_engine_layer_state_so_the_connector_refuses_
     cfg = types.SimpleNamespace(
         model_config=types.SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
         cache_config=types.SimpleNamespace(block_size=128, cache_dtype=ENGINE_SCALED_KV_DTYPE),
-        parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         device_config=types.SimpleNamespace(device_type="npu"))
     with pytest.raises(ConfigError, match="vllm-ascend-quantized-kv-cache"):
         identity_from_vllm(cfg, 256)

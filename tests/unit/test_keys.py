@@ -355,7 +355,7 @@ def test_int8_plugin_kv_cache_is_refused_with_the_reason():
     cfg = SimpleNamespace(
         model_config=SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
         cache_config=SimpleNamespace(block_size=128, cache_dtype="int8"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         device_config=SimpleNamespace(device_type="npu"))
     with pytest.raises(ConfigError, match="kv_cache_dtype='int8'.*first prefill"):
         identity_from_vllm(cfg, 256)
