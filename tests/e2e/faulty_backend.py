@@ -18,7 +18,7 @@ import json
 import os
 import time
 
-from ascend_store.backends.base import BackendUnavailable, Slot, Status
+from ascend_store.backends.base import BackendUnavailable, Slot, Slots, Status
 from ascend_store.backends.local.client import LocalBackend
 
 
@@ -74,6 +74,13 @@ class FaultyBackend:
 
     def reserve(self, keys, sizes):
         return self._call("reserve", keys, sizes)
+
+    # The worker asks for arrays: the same calls, the same faults.
+    def lease_slots(self, keys, sizes=None):
+        return Slots.of(self.lease(keys, sizes))
+
+    def reserve_slots(self, keys, sizes):
+        return Slots.of(self.reserve(keys, list(sizes)))
 
     def commit(self, keys):
         return self._call("commit", keys)
