@@ -51,7 +51,8 @@ def servers(model, tmp_path_factory):
     fault = {"ASCEND_STORE_TEST_FAULT": str(tmp / "fault.json")}
     started = {"prefill": Server(model, tmp, slow, "prefill", env=fault),
                # Its lookup cache off: the conversation test asks it for turn 2 before turn 2's
-               # answer is saved, and a cached miss would hide that chunk for ttl_s at turn 3.
+               # answer is saved; a cached miss lasts until this scheduler's next pool reply
+               # reports a commit, and here no other traffic would bring one before turn 3.
                "decode": Server(model, tmp, _deploy_config("kv_consumer", pool.socket,
                                                            lookup_cache={"enabled": False}), "decode"),
                "chat": Server(model, tmp, _deploy_config("kv_both", pool.socket, save_decode_cache=True),
