@@ -111,7 +111,7 @@ class PoolScheduler:
         self.async_load = cfg.async_load and not cfg.use_layerwise and self.kinds == [ATTN]
         self._async_ready: list[str] = []  # allocated, load not yet sent to the workers
         self.commit_before_reply = cfg.commit_before_reply and kv_role == "kv_producer"
-        self.save_decode = cfg.save_decode_cache and self.can_save and not self.state_layers
+        self.save_decode = cfg.save_decode_cache and self.can_save and not self.state_groups
         self.counters = IntervalCounters()
         # The pool's tier events as vLLM KV events (kv_events.py): one pool call per step, when on.
         self.kv_events = kv_events.KVEventFeed(self.backend, self.keyspaces[0], self.chunk) \
