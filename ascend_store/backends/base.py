@@ -111,11 +111,12 @@ class Backend(ABC):
 
     def lease_slots(self, keys: list[str], sizes: list[int] | None = None) -> Slots:
         """``lease`` as arrays; backends with a packed wire format answer it directly."""
+        sizes = None if sizes is None else np.asarray(sizes, dtype=np.int64).tolist()  # plain ints
         return Slots.of(self.lease(keys, sizes))
 
     def reserve_slots(self, keys: list[str], sizes: list[int]) -> Slots:
         """``reserve`` as arrays, likewise."""
-        return Slots.of(self.reserve(keys, sizes))
+        return Slots.of(self.reserve(keys, np.asarray(sizes, dtype=np.int64).tolist()))  # plain ints
 
     @abstractmethod
     def release(self, keys: list[str]) -> None: ...

@@ -18,6 +18,8 @@ import json
 import os
 import time
 
+import numpy as np
+
 from ascend_store.backends.base import BackendUnavailable, Slot, Slots, Status
 from ascend_store.backends.local.client import LocalBackend
 
@@ -80,7 +82,7 @@ class FaultyBackend:
         return Slots.of(self.lease(keys, sizes))
 
     def reserve_slots(self, keys, sizes):
-        return Slots.of(self.reserve(keys, list(sizes)))
+        return Slots.of(self.reserve(keys, np.asarray(sizes, dtype=np.int64).tolist()))
 
     def commit(self, keys):
         return self._call("commit", keys)
