@@ -114,10 +114,10 @@ class Pool:
             time.sleep(0.05)
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 10) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(10)
+            self.proc.wait(wait_s)
 
 
 @pytest.fixture

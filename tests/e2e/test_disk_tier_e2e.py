@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 import threading
 import time
 
@@ -22,10 +20,9 @@ import zmq
 
 from ascend_store.backends.local.client import LocalBackend
 from ascend_store.backends.local.disk import file_name
-from ascend_store.backends.local.launcher import ping
 from ascend_store.config import LocalPoolConfig
 from ascend_store.keys import chunk_hashes
-from tests.e2e.conftest import BLOCK, REPO, assert_same_outputs, kv_config, run_engine
+from tests.e2e.conftest import BLOCK, Pool, assert_same_outputs, kv_config, run_engine
 
 pytestmark = pytest.mark.e2e
 N_PROMPTS, BLOCKS = 10, 4  # 40 chunk objects of ~64 KiB: 2.5 MiB, four times the memory tier
@@ -37,21 +34,12 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(2, 500) for _ in range(BLOCKS * BLOCK + 5)] for _ in range(N_PROMPTS)]
 
 
-class _Pool:
-    def __init__(self, socket: str, disk: str):
-        self.socket, self.disk = socket, disk
-        self.proc = None
+class _Pool(Pool):
+    """The shared pool helper with a disk tier; stopping waits for the memory tier's flush."""
 
-    def start(self) -> "_Pool":
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", self.socket,
-             "--capacity", MEMORY, "--disk-path", self.disk, "--disk-capacity", "64MiB"],
-            env={**os.environ, "PYTHONPATH": REPO}, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while not ping(self.socket):
-            assert time.monotonic() < deadline and self.proc.poll() is None, "pool did not start"
-            time.sleep(0.05)
-        return self
+    def __init__(self, socket: str, disk: str):
+        super().__init__(socket, MEMORY, ("--disk-path", disk, "--disk-capacity", "64MiB"))
+        self.disk = disk
 
     def stats(self) -> dict:
         c = LocalBackend(LocalPoolConfig(socket=self.socket, start="never"), timeout_s=2.0, map_arena=False)
@@ -60,10 +48,8 @@ class _Pool:
         finally:
             c.close()
 
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
+    def stop(self, wait_s: float = 30) -> None:
+        super().stop(wait_s)
 
 
 class _Subscriber(threading.Thread):
