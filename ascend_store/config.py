@@ -296,6 +296,9 @@ class StoreConfig:
     # kv_producer: a step that completes a prompt waits for its saves' commit, so the reply
     # (which leaves after the step) never races the objects (docs/pd-disaggregation.md).
     commit_before_reply: bool = True
+    # kv_consumer: how long a request the proxy marks as prefilled waits for the producer's
+    # objects before it recomputes what is missing (pd_wait.py; 0: never waits).
+    consumer_wait_s: float = 0.0
     # Save full chunks produced during decode too (same chained keys): a conversation's
     # next turn finds its previous answer.
     save_decode_cache: bool = False
@@ -313,8 +316,8 @@ class StoreConfig:
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
             "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window",
-            "async_load", "commit_before_reply", "save_decode_cache", "head_slices", "layer_slices", "local",
-            "mooncake", "memcache",
+            "async_load", "commit_before_reply", "consumer_wait_s", "save_decode_cache", "head_slices",
+            "layer_slices", "local", "mooncake", "memcache",
             "lookup_cache")
 
     @classmethod
@@ -341,6 +344,7 @@ class StoreConfig:
             load_window=r.take("load_window", 0, int),
             async_load=r.take("async_load", True, bool),
             commit_before_reply=r.take("commit_before_reply", True, bool),
+            consumer_wait_s=r.take("consumer_wait_s", 0.0, float),
             save_decode_cache=r.take("save_decode_cache", False, bool),
             head_slices=r.take("head_slices", 0, int),
             layer_slices=r.take("layer_slices", 0, int),
@@ -352,6 +356,8 @@ class StoreConfig:
             lookup_cache=LookupCacheConfig.parse(r.raw.pop("lookup_cache", None)),
         )
         r.finish(cls.KEYS)
+        if cfg.consumer_wait_s < 0:
+            raise ConfigError(f"consumer_wait_s: must be >= 0 (0 = never waits), got {cfg.consumer_wait_s}")
         if cfg.load_window < 0:
             raise ConfigError(f"load_window: must be >= 0 (0 = every layer at once), got {cfg.load_window}")
         for name, off in (("head_slices", "objects per TP rank"), ("layer_slices", "objects per stage")):

@@ -38,6 +38,7 @@ from ascend_store.keys import (
 from ascend_store.layers import ATTN, STATE, group_kinds
 from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
 from ascend_store.parallel import sharding
+from ascend_store.pd_wait import ProducerWait
 from ascend_store.stats import AscendStoreStats, IntervalCounters
 
 log = logging.getLogger("ascend_store")
@@ -113,6 +114,7 @@ class PoolScheduler:
         self.commit_before_reply = cfg.commit_before_reply and kv_role == "kv_producer"
         self.save_decode = cfg.save_decode_cache and self.can_save and not self.state_groups
         self.counters = IntervalCounters()
+        self.producer_wait = ProducerWait(cfg.consumer_wait_s, self.counters)  # pd_wait.py
         # The pool's tier events as vLLM KV events (kv_events.py): one pool call per step, when on.
         self.kv_events = kv_events.KVEventFeed(self.backend, self.keyspaces[0], self.chunk) \
             if self.backend is not None and kv_events.enabled(vllm_config) else None
@@ -204,7 +206,9 @@ class PoolScheduler:
                 return tails[k - 1], k
         return None
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.producer_wait.too_soon(request.request_id):
+            return None, False  # vLLM skips the request this step and asks again
         prompt = request.prompt_token_ids or []
         state = self._reqs.get(request.request_id)
         if state is None:
@@ -237,6 +241,14 @@ class PoolScheduler:
                 hit_tokens += state.tail_hit[1] * self.block_size
         state.tail_saved = state.tail_hit is not None
         hit_tokens = min(hit_tokens, len(prompt) - 1)
+        # A producer stores the prompt's whole blocks (hybrid: its whole chunks, with their state).
+        whole = limit * self.chunk if self.state_groups else len(prompt) // self.block_size * self.block_size
+        want = min(whole, len(prompt) - 1)
+        if self.producer_wait.holds(request, max(hit_tokens, num_computed_tokens), want):
+            if self.hit_cache is not None:  # the misses that ended the hit are asked again
+                tails = [TAIL_TAG + h for h in self._tails(state, hit)]
+                self.hit_cache.invalidate(state.hashes[hit:] + tails)
+            return None, False
         self.counters["queried_tokens"] += len(prompt)
         if hit_tokens <= num_computed_tokens:
             return 0, False
@@ -397,6 +409,7 @@ class PoolScheduler:
 
     def request_finished(self, request) -> tuple[bool, None]:
         self._reqs.pop(request.request_id, None)
+        self.producer_wait.forget(request.request_id)
         return False, None
 
     def stats(self) -> AscendStoreStats:

@@ -24,6 +24,8 @@ COUNTERS = {
     "lookup_errors": "lookups that failed (pool unavailable)",
     "hit_tokens": "prompt tokens found in the pool beyond the device cache",
     "queried_tokens": "prompt tokens looked up",
+    "producer_waits": "prefilled requests that waited for the producer's objects (consumer_wait_s)",
+    "producer_wait_timeouts": "of those, requests that reached consumer_wait_s short of their prompt",
     "cache_hits": "lookup-cache answers used",
     "cache_misses": "lookup-cache answers missing or expired",
     "invalidations": "lookup-cache entries invalidated",

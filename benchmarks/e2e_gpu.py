@@ -22,13 +22,21 @@ Needs vLLM (on the GPU machine: the offline kit of ../shared/gpu-kit) and, for l
 LMCache 0.5.3:  python benchmarks/e2e_gpu.py --geometry 1b 7b --json out.json
 Tables and a PNG from saved results (later files win per configuration), anywhere:
     python benchmarks/e2e_gpu.py --merge a.json b.json --plot e2e.png
+Where a configuration's time goes: ``--profile DIR`` runs each engine in one process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the engine's step runs on the profiled thread)
+and writes a cProfile summary of the timed repetitions per prompt length to DIR (its
+TTFTs include the profiler's overhead and the missing IPC: compare configurations, not
+these numbers with the table's).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import random
 import subprocess
 import sys
@@ -112,11 +120,16 @@ def child(spec: dict) -> None:
         first = llm.generate([prompt], params, use_tqdm=False)[0]  # computes; fills the cache
         time.sleep(1.0)  # a save still draining would turn the first timed hit into a miss
         times, tokens, cached = [], [], []
+        prof = cProfile.Profile() if spec.get("profile") else None
         for rep in range(spec["reps"] + 1):  # the first is a warm-up
             if conf.get("reset"):
                 llm.reset_prefix_cache()
+            if prof and rep:
+                prof.enable()
             t0 = time.perf_counter()
             o = llm.generate([prompt], params, use_tqdm=False)[0]
+            if prof and rep:
+                prof.disable()
             if rep == 0:
                 continue
             times.append(time.perf_counter() - t0)
@@ -127,12 +140,27 @@ def child(spec: dict) -> None:
         out[n] = {"ttft_ms": ranked[len(ranked) // 2] * 1e3, "p90_ms": p90 * 1e3,
                   "all_ms": [t * 1e3 for t in times],
                   "token": tokens, "first_token": first.outputs[0].token_ids[0], "cached": cached}
+        if prof:
+            write_profile(prof, os.path.join(spec["profile"], f"{spec['name']}-{n // 1024}K.txt"),
+                          spec["reps"])
     if spec.get("concurrent"):
         try:
             out["concurrent"] = concurrent(llm, spec, conf, params)
         except Exception as exc:  # keep the single-request results if this vLLM differs
             out["concurrent_error"] = repr(exc)
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def write_profile(prof: cProfile.Profile, path: str, reps: int) -> None:
+    """The functions with the most cumulative and own time, per timed repetition."""
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf).strip_dirs()
+    for key in ("cumulative", "tottime"):
+        buf.write(f"=== by {key} (ms are totals over {reps} repetitions) ===\n")
+        stats.sort_stats(key).print_stats(45)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
 
 
 def concurrent(llm, spec: dict, conf: dict, params) -> dict:
@@ -231,6 +259,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--plot", help="write a PNG of TTFT against prompt length")
     ap.add_argument("--merge", nargs="+", help="report saved results instead of running")
+    ap.add_argument("--profile", help="write cProfile summaries of the timed hits to this directory")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
@@ -260,9 +289,12 @@ def main() -> None:
             tmp = tempfile.mkdtemp(prefix="ascend-e2e-")
             spec = {"config": name, "model": model_dir(geometry), "tokens": args.tokens, "reps": args.reps,
                     "tmp": tmp, "gpu": gbs == gbs, "concurrent": args.concurrent,
-                    "concurrent_tokens": args.concurrent_tokens}
+                    "concurrent_tokens": args.concurrent_tokens, "name": f"{geometry}-{name}",
+                    "profile": args.profile and os.path.abspath(args.profile)}
             env = {**os.environ, **CONFIGS[name].get("env", {}),
                    "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+            if args.profile:
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,

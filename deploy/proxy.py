@@ -1,8 +1,9 @@
 """A minimal prefill/decode proxy for OpenAI completions (example, not for production).
 
 Each request goes to the prefill instance with max_tokens=1 (it computes the prompt and
-saves its KV to the pool), then unchanged to the decode instance (which loads the KV
-from the pool and generates). Standard library only.
+saves its KV to the pool), then to the decode instance (which loads the KV from the pool
+and generates), marked ``kv_transfer_params: {"ascend_store_prefilled": true}`` (read by
+a decode instance with ``consumer_wait_s``; docs/pd-disaggregation.md). Standard library only.
 
     python deploy/proxy.py --prefill http://prefill:8000 --decode http://decode:8000 --port 9000
 """
@@ -21,7 +22,10 @@ def make_handler(prefill: str, decode: str, timeout: float):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
             warm = {**body, "max_tokens": 1, "stream": False}
             self._forward(prefill, warm).read()
-            with self._forward(decode, body) as r:
+            # Tell decode that a producer computed this prompt: with ``consumer_wait_s`` it
+            # waits for objects still being committed instead of recomputing them.
+            params = {**(body.get("kv_transfer_params") or {}), "ascend_store_prefilled": True}
+            with self._forward(decode, {**body, "kv_transfer_params": params}) as r:
                 self.send_response(r.status)
                 self.send_header("Content-Type", r.headers.get("Content-Type", "application/json"))
                 self.end_headers()

@@ -97,6 +97,8 @@ def test_bad_backend_lists_accepted_values():
     ({"timeout_s": "5"}, "timeout_s"),
     ({"timeout_s": True}, "timeout_s"),
     ({"load_timeout_s": -0.5}, "load_timeout_s"),
+    ({"consumer_wait_s": -1}, "consumer_wait_s"),
+    ({"consumer_wait_s": "2s"}, "consumer_wait_s"),
     ({"chunk_size": -5}, "chunk_size"),
     ({"chunk_size": 1.5}, "chunk_size"),
     ({"chunk_size": True}, "chunk_size"),
