@@ -15,6 +15,8 @@ boundary (vLLM's align mode keeps the state only there) and loaded into the bloc
 reads the state of a hit from.
 A step's saves are waited for at the start of the next step (``defer_save_drain``), before
 vLLM can reuse a finished request's blocks.
+A compacted request publishes nothing (compaction.py); with ``save_decode_cache`` the
+chain goes on over the generated tokens (decode_saves.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from dataclasses import dataclass, field
 
 from ascend_store import kv_events, seams
 from ascend_store.backends import BackendUnavailable, create_backend
+from ascend_store.compaction import CompactionPlans, is_compacted
 from ascend_store.config import StoreConfig
+from ascend_store.decode_saves import DecodeChain
 from ascend_store.hit_cache import BlockHitCache
 from ascend_store.keys import (
     KeyExtras,
@@ -44,23 +48,6 @@ from ascend_store.stats import AscendStoreStats, IntervalCounters
 log = logging.getLogger("ascend_store")
 STATE_TAG = "state/"  # hit-cache entries for a chunk's recurrent state (hybrid models)
 TAIL_TAG = "tail/"  # hit-cache entries for a prompt's partial last chunk
-# vllm-ascend-kvcompress-hust (TriAttention) marks the requests it compacts by attaching its
-# plans, {request id: plan}, to the scheduler output once vLLM's schedule() returns, i.e.
-# after this connector built that step's metadata: they are read at the next step.
-KVCOMPRESS_PLANS = "_ascend_kvcompress_plans_v4"
-
-
-def is_compacted(request) -> bool:
-    """The compaction contract (docs/codecs.md): a token-eviction method that drops KV of
-    a request marks it with ``kv_compacted: True`` in the request's ``kv_transfer_params``
-    or in its sampling params' ``extra_args``. Such KV no longer matches its token prefix,
-    so it is never published under prefix keys. (The TriAttention plugin's own mark is read
-    from the scheduler output: ``KVCOMPRESS_PLANS``.)"""
-    for params in (getattr(request, "kv_transfer_params", None),
-                   getattr(getattr(request, "sampling_params", None), "extra_args", None)):
-        if isinstance(params, dict) and params.get("kv_compacted"):
-            return True
-    return False
 
 
 @dataclass
@@ -106,14 +93,15 @@ class PoolScheduler:
         lc = cfg.lookup_cache
         self.hit_cache = BlockHitCache(lc.ttl_s, lc.max_entries) if lc.enabled and self.can_load else None
         self._reqs: dict[str, _Request] = {}
-        self._last_output = None  # the previous step's scheduler output (KVCOMPRESS_PLANS)
+        self.compaction = CompactionPlans()  # compacted KV is never published (compaction.py)
         # Whole mode loads off the step (async_loads.py); block-level failures need one
         # KV cache group (vLLM cannot map them otherwise), so hybrid models load in the step.
         self.async_load = cfg.async_load and not cfg.use_layerwise and self.kinds == [ATTN]
         self._async_ready: list[str] = []  # allocated, load not yet sent to the workers
         self.commit_before_reply = cfg.commit_before_reply and kv_role == "kv_producer"
-        self.save_decode = cfg.save_decode_cache and self.can_save and not self.state_groups
         self.counters = IntervalCounters()
+        self.decode_chain = DecodeChain(self.chunk, self.counters) \
+            if cfg.save_decode_cache and self.can_save and not self.state_groups else None
         self.producer_wait = ProducerWait(cfg.consumer_wait_s, self.counters)  # pd_wait.py
         # The pool's tier events as vLLM KV events (kv_events.py): one pool call per step, when on.
         self.kv_events = kv_events.KVEventFeed(self.backend, self.keyspaces[0], self.chunk) \
@@ -287,11 +275,8 @@ class PoolScheduler:
     # -- per step -------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
         meta = StepMetadata()
-        for out in (self._last_output, scheduler_output):
-            for req_id in getattr(out, KVCOMPRESS_PLANS, None) or ():
-                if req_id in self._reqs:
-                    self._reqs[req_id].compacted = True
-        self._last_output = scheduler_output
+        for req_id in self.compaction.planned(scheduler_output) & self._reqs.keys():
+            self._reqs[req_id].compacted = True
         for rid in self._async_ready:
             state = self._reqs.get(rid)
             if state is not None:
@@ -337,8 +322,9 @@ class PoolScheduler:
         if self.commit_before_reply and not state.prompt_done \
                 and computed_after_step >= len(state.request.prompt_token_ids or []):
             state.prompt_done = meta.commit_now = True
-        if self.save_decode:
-            self._extend_chain(state, computed_after_step)
+        if self.decode_chain is not None:
+            state.hashes = self.decode_chain.extend(state.request, state.hashes, state.extras,
+                                                    computed_after_step)
         done = min(len(state.hashes), computed_after_step // self.chunk)
         bpc = self.blocks_per_chunk
         saved = []
@@ -360,18 +346,6 @@ class PoolScheduler:
         state.saved_chunks = max(state.saved_chunks, done)
         if saved:
             state.pool_hit = done
-
-    def _extend_chain(self, state: _Request, computed_after_step: int) -> None:
-        """``save_decode_cache``: continue the chain over the generated tokens whose KV is
-        computed, so full chunks past the prompt are saved under the keys the next turn's
-        prompt (this prompt, this answer, more) hashes to."""
-        if getattr(state.request, "prompt_embeds", None) is not None:
-            return
-        tokens = state.request.all_token_ids
-        n = min(computed_after_step, len(tokens)) // self.chunk
-        if n > len(state.hashes):
-            self.counters["decode_chunks"] += n - len(state.hashes)
-            state.hashes = chunk_hashes(tokens[:n * self.chunk], self.chunk, state.extras)
 
     def _plan_tail(self, req_id: str, state: _Request, computed_after_step: int, meta: StepMetadata):
         """Once the whole prompt is computed: save its whole blocks past the last full

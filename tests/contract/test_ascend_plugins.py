@@ -139,8 +139,9 @@ def test_triattention_plan_marks_a_request_the_scheduler_never_publishes_again(p
     from vllm_ascend_kvcompress import stateful
     from vllm_ascend_kvcompress.transaction import PLAN_ATTRIBUTE
 
+    from ascend_store.compaction import KVCOMPRESS_PLANS
     from ascend_store.config import StoreConfig
-    from ascend_store.pool_scheduler import KVCOMPRESS_PLANS, PoolScheduler
+    from ascend_store.pool_scheduler import PoolScheduler
 
     assert PLAN_ATTRIBUTE == KVCOMPRESS_PLANS
     # 0.10.0 refuses to start with any KV connector at all (scheduler and worker side).
