@@ -113,20 +113,27 @@ def sharding(vllm_config, head_slices: int, has_state: bool, layer_slices: int =
                     *_layer_slices(mc, pp, layer_slices, single_group))
 
 
-def head_slices(tensor, num_blocks: int, heads: int, count: int) -> list:
-    """``count`` views of one layer's cache (``heads`` KV heads on this rank), each of
-    ``heads // count`` whole heads. Only for caches whose pages hold heads outermost
-    (vLLM CPU's [blocks, heads, tokens, 2 x head size]), where a slice is one run of bytes
-    in every page; layouts that put heads inside tokens (FlashAttention's [2, blocks,
-    tokens, heads, head size]) would need a strided copy per page and are refused."""
+def head_slices(tensor, num_blocks: int, dims: tuple[int, int, int], count: int) -> list:
+    """``count`` views of one layer's cache, or of one tensor of a tuple cache, each of
+    ``heads // count`` whole heads (``dims``: this rank's KV heads, tokens per block, head
+    size). The heads dimension is the one the page layouts we know put them in
+    (``LayerLayout.canonical``: vLLM CPU's [blocks, heads, tokens, 2 x head size],
+    FlashAttention's [2, blocks, tokens, heads, head size], ...), or, in one tensor of a
+    tuple cache (vllm-ascend's K or V: [blocks, tokens, heads, head size]), the dimension
+    of that many heads right outside the head size. Where heads sit inside tokens a
+    slice is a run of bytes per (K/V, token) of a page, and ``segments.page_plan`` makes
+    each run a segment of the batched copy (a page of heads outermost stays one run)."""
     from ascend_store.config import ConfigError
     from ascend_store.transfer import LayerLayout
 
-    layout = LayerLayout.of(tensor, num_blocks)
-    page_dims = [d for d in range(tensor.dim()) if d != layout.block_dim]
-    outer = page_dims[layout.order[0]]
-    if tensor.shape[outer] != heads:
-        raise ConfigError(f"ascend-store: head_slices needs KV heads outermost in a cache page; this "
-                          f"cache's page is {layout.describe()} with {heads} heads (set head_slices: 0)")
+    heads, _, head_size = dims
+    layout = LayerLayout.of(tensor, num_blocks, dims)
+    canonical = layout.canonical_blocks()
+    stride = canonical.stride(3) if canonical is not None else head_size
+    found = [d for d in range(tensor.dim()) if d != layout.block_dim and tensor.shape[d] == heads
+             and tensor.stride(d) == stride]
+    if len(found) != 1:
+        raise ConfigError(f"ascend-store: head_slices cannot tell the KV heads dimension of a cache page "
+                          f"{layout.describe()} with {heads} heads of {head_size} (set head_slices: 0)")
     per = heads // count
-    return [tensor.narrow(outer, j * per, per) for j in range(count)]
+    return [tensor.narrow(found[0], j * per, per) for j in range(count)]

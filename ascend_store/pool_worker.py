@@ -171,22 +171,23 @@ class PoolWorker:
         """(part, tensor, KV dims) of a layer. vLLM hands one tensor per layer; vllm-ascend a
         tuple: (K, V) split caches, MLA's (nope, rope) with different last dims, or more (an
         indexer cache): each tensor is its own part of the chunk object, ``{layer}#{i}``.
-        With head slices each slice is a part ``{layer}#h{j}of{S}`` of its slice's object."""
+        With head slices each slice is a part ``{layer}#h{j}of{S}`` (``{layer}#{i}#h{j}of{S}``)
+        of its slice's object."""
         spec = self.kv_specs[self.layer_ids[name][0]]
         dims = tuple(getattr(spec, a, None) for a in ("num_kv_heads", "block_size", "head_size"))
         dims = None if None in dims else dims
         shards = self.sharding.shards(self.tp_rank)
-        if isinstance(tensor, (list, tuple)):
-            if self.sharding.slices:
-                raise ConfigError(f"ascend-store: head_slices does not take tuple caches ({name}); "
-                                  "set head_slices: 0")
-            parts = [(f"{name}#{i}", t, None) for i, t in enumerate(tensor)]  # dims: a whole page's
-        elif self.sharding.slices:
-            heads = dims[0] // len(shards)
-            views = head_slices(tensor, self.num_blocks, dims[0], len(shards))
-            parts = [(f"{name}#{s}", v, (heads, *dims[1:])) for s, v in zip(shards, views)]
-        else:
-            return [(name, tensor, dims)]
+        tensors = list(tensor) if isinstance(tensor, (list, tuple)) else None
+        if not self.sharding.slices:
+            if tensors is None:
+                return [(name, tensor, dims)]
+            parts = [(f"{name}#{i}", t, None) for i, t in enumerate(tensors)]  # dims: a whole page's
+        else:  # each tensor's slices; a tuple cache's K and V of a slice both go into its object
+            named = [(name, tensor)] if tensors is None else \
+                [(f"{name}#{i}", t) for i, t in enumerate(tensors)]
+            part_dims = (dims[0] // len(shards), *dims[1:]) if tensors is None else None
+            parts = [(f"{part}#{s}", v, part_dims) for part, t in named
+                     for s, v in zip(shards, head_slices(t, self.num_blocks, dims, len(shards)))]
         self.parts[name] = [p for p, _, _ in parts]
         return parts
 

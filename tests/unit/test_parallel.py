@@ -75,21 +75,27 @@ def test_namespaces_across_tp_sizes():
 
 
 def test_head_slices_are_views_of_whole_heads():
-    """vLLM CPU's [blocks, heads, tokens, 2 x head size]: slice j is heads [j h, (j+1) h)
-    of every block, a run of bytes per page; heads inside tokens are refused."""
+    """Slice j is heads [j h, (j+1) h) of every block: vLLM CPU's [blocks, heads, tokens,
+    2 x head size] (one run of bytes per page), FlashAttention's [2, blocks, tokens, heads,
+    head size] and a tuple cache's K or V [blocks, tokens, heads, head size] (a run per
+    token); a page where the heads cannot be told apart is refused."""
     cache = torch.arange(5 * 4 * 2 * 6, dtype=torch.float32).reshape(5, 4, 2, 6)
-    views = head_slices(cache, 5, 4, 2)
+    views = head_slices(cache, 5, (4, 2, 3), 2)
     assert [v.data_ptr() - cache.data_ptr() for v in views] == [0, 2 * 2 * 6 * 4]
     assert torch.equal(views[1][3], cache[3, 2:4])
-    flash = torch.zeros(2, 5, 2, 4, 6)  # [K/V, blocks, tokens, heads, head size]
-    with pytest.raises(ConfigError, match="heads outermost"):
-        head_slices(flash, 5, 4, 2)
+    flash = torch.randn(2, 5, 2, 4, 6)  # [K/V, blocks, tokens, heads, head size]
+    views = head_slices(flash, 5, (4, 2, 6), 2)
+    assert torch.equal(views[1], flash[:, :, :, 2:4]) and views[1].data_ptr() == flash[:, :, :, 2:].data_ptr()
+    k = torch.randn(5, 2, 4, 6)  # vllm-ascend's K: [blocks, tokens, heads, head size]
+    assert torch.equal(head_slices(k, 5, (4, 2, 6), 4)[3], k[:, :, 3:4])
+    with pytest.raises(ConfigError, match="KV heads dimension"):
+        head_slices(torch.zeros(5, 4, 4, 6).transpose(1, 2), 5, (4, 4, 5), 2)
 
 
 N, BLOCK, HEADS, LAYERS = 9, 16, 4, 4
 
 
-def _worker(pool, monkeypatch, tp: int, rank: int):
+def _worker(pool, monkeypatch, tp: int, rank: int, copy_path: str = "auto"):
     """A worker of rank ``rank`` of a TP-``tp`` engine, with 4 head slices and 2 layer spans
     of a 4-layer model of 4 KV heads (a real local pool; ranks are set, not spawned)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -103,7 +109,7 @@ def _worker(pool, monkeypatch, tp: int, rank: int):
     cfg.cache_config.block_size = BLOCK
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS // tp, head_size=8, dtype=torch.float32)
-    store = StoreConfig.parse({"head_slices": 4, "layer_slices": 2, "chunk_size": 0,
+    store = StoreConfig.parse({"head_slices": 4, "layer_slices": 2, "chunk_size": 0, "copy_path": copy_path,
                                "local": {"socket": pool.socket, "start": "never"}})
     kv_cache_config = KVCacheConfig(N, [], [KVCacheGroupSpec(names, spec)])
     return pool_worker.PoolWorker(cfg, kv_cache_config, store, "kv_both")
@@ -130,37 +136,60 @@ def _load(worker, caches, blocks, chunk):
     assert worker.get_block_ids_with_load_errors() == set()
 
 
-def test_head_slices_shared_between_tp_sizes(pool, monkeypatch):
-    """vLLM CPU pages [blocks, heads, tokens, 2 x head size]: a TP=1 engine's objects load
-    into each TP=2 rank's half of the heads, and the two ranks' objects into a TP=1 engine,
-    byte-exact; each rank touches only the slices of its heads (no missing object)."""
+# Cache layouts of a layer with ``h`` KV heads of size 8 (blocks of 16 tokens), and where a
+# rank's heads [a, b) and block ids sit in each: (make, heads of, blocks of).
+LAYOUTS = {
+    "cpu": (lambda h, g: torch.randn(N, h, BLOCK, 16, generator=g),  # vLLM CPU
+            lambda t, a, b: t[:, a:b], lambda t, ids: t[ids]),
+    "flash": (lambda h, g: torch.randn(2, N, BLOCK, h, 8, generator=g),  # FlashAttention
+              lambda t, a, b: t[:, :, :, a:b], lambda t, ids: t[:, ids]),
+    "tuple": (lambda h, g: tuple(torch.randn(N, BLOCK, h, 8, generator=g) for _ in range(2)),  # vllm-ascend
+              lambda t, a, b: tuple(x[:, :, a:b] for x in t),
+              lambda t, ids: torch.stack([x[ids] for x in t])),
+}
+
+
+def _clone(cache):
+    return tuple(x.clone() for x in cache) if isinstance(cache, tuple) else cache.clone()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("copy_path", ["per_block", "batched"])
+def test_head_slices_shared_between_tp_sizes(pool, monkeypatch, layout, copy_path):
+    """A TP=1 engine's objects load into each TP=2 rank's half of the heads, and the two
+    ranks' objects into a TP=1 engine, byte-exact; each rank touches only the slices of its
+    heads (no missing object). In every cache layout (heads outermost in a page, or inside
+    tokens, or a tuple of K and V) and on both copy paths (the batched one runs the plan the
+    GPU kernel runs, one segment per run of a slice's bytes)."""
+    make, heads_of, blocks_of = LAYOUTS[layout]
     g = torch.Generator().manual_seed(0)
-    full = {f"model.layers.{i}.self_attn.attn": torch.randn(N, HEADS, BLOCK, 16, generator=g)
-            for i in range(LAYERS)}
-    one = _worker(pool, monkeypatch, 1, 0)
+    other = torch.Generator().manual_seed(1)  # what the caches hold before a load overwrites it
+    full = {f"model.layers.{i}.self_attn.attn": make(HEADS, g) for i in range(LAYERS)}
+    one = _worker(pool, monkeypatch, 1, 0, copy_path)
     one.register_kv_caches(full)
     assert len(one.ctx.groups) == 4 * 2  # 4 head slices x 2 layer spans
     _save(one, full, [1, 2], chunk=0)
     for rank in (0, 1):
-        half = {n: torch.zeros(N, HEADS // 2, BLOCK, 16) for n in full}
-        w = _worker(pool, monkeypatch, 2, rank)
+        half = {n: make(HEADS // 2, other) for n in full}
+        w = _worker(pool, monkeypatch, 2, rank, copy_path)
         w.register_kv_caches(half)
         _load(w, half, [5, 6], chunk=0)
         for n, t in half.items():
-            assert torch.equal(t[5:7], full[n][1:3, 2 * rank:2 * rank + 2]), (rank, n)
+            mine = heads_of(full[n], 2 * rank, 2 * rank + 2)
+            assert torch.equal(blocks_of(t, [5, 6]), blocks_of(mine, [1, 2])), (rank, n)
         w.shutdown()
-        half = {n: full[n][:, 2 * rank:2 * rank + 2].clone() for n in full}
-        w = _worker(pool, monkeypatch, 2, rank)
+        half = {n: _clone(heads_of(full[n], 2 * rank, 2 * rank + 2)) for n in full}
+        w = _worker(pool, monkeypatch, 2, rank, copy_path)
         w.register_kv_caches(half)
         _save(w, half, [3], chunk=100)  # each rank writes its heads of chunk 100
         assert w.counters.total["saved_objects"] == 2 * 2  # 2 slices x 2 spans
         w.shutdown()
-    target = {n: torch.zeros(N, HEADS, BLOCK, 16) for n in full}
+    target = {n: make(HEADS, other) for n in full}
     one.shutdown()
-    one = _worker(pool, monkeypatch, 1, 0)
+    one = _worker(pool, monkeypatch, 1, 0, copy_path)
     one.register_kv_caches(target)
     _load(one, target, [8], chunk=100)
     for n, t in target.items():
-        assert torch.equal(t[8], full[n][3]), n
+        assert torch.equal(blocks_of(t, [8]), blocks_of(full[n], [3])), n
     assert not one.counters.total.get("load_missing")
     one.shutdown()
