@@ -80,6 +80,7 @@ class Loader:
         self.job: LoadJob | None = None  # this step's
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-load", initializer=initializer)
         self._failed_chunks: set[str] = set()
+        self._scratch = host_loads.Scratch()  # the load thread's gather buffer
 
     def start(self, loads: list[ChunkLoad]) -> LoadJob:
         job = self.job = LoadJob(loads, self.ctx.order)
@@ -248,7 +249,8 @@ class Loader:
                     i: int, starts: np.ndarray) -> None:
         live = ~np.isin(adm.entries, np.fromiter(job.failed, dtype=np.int64, count=len(job.failed)))
         faults = host_loads.load_layer(words, host, self.ctx.layouts[name], adm.planner.pages, starts,
-                                       adm.headers[i, adm.obj], live, self.ctx.cfg.verify_checksum)
+                                       adm.headers[i, adm.obj], live, self.ctx.cfg.verify_checksum,
+                                       self._scratch)
         for e, why in zip(faults.entries.tolist(), faults.why):
             self._rejected(job, int(adm.entries[e]),
                            CorruptObject(f"{adm.step.keys[adm.obj[e]]} layer {name}: {why}"))

@@ -45,7 +45,8 @@ def _load(dst, arena, starts, blocks, skips, verify=True):
     host = arena.numpy()
     headers = np.stack([host[s:s + HEADER_BYTES].view(HEADER_RECORD)[0] for s in starts.tolist()])
     live = np.ones(len(starts), dtype=bool)
-    return host_loads.load_layer(host_loads.words_of(arena), host, dst, pages, starts, headers, live, verify)
+    return host_loads.load_layer(host_loads.words_of(arena), host, dst, pages, starts, headers, live, verify,
+                                 host_loads.Scratch())
 
 
 def test_pages_land_byte_exact_and_skipped_pages_stay():
@@ -60,9 +61,11 @@ def test_pages_land_byte_exact_and_skipped_pages_stay():
     assert not dst.tensor[[17, 0]].any()  # object 1's first (skipped) page was not written
 
 
+@pytest.mark.parametrize("batch", [1, 1 << 20])  # a batch per object (the page size rounds up), or one
 @pytest.mark.parametrize("checksum", ["wsum", "crc32"])
 @pytest.mark.parametrize("page", [0, 3])  # a moved page, or a page read only for the checksum
-def test_a_corrupt_object_fails_alone(checksum, page):
+def test_a_corrupt_object_fails_alone(checksum, page, batch, monkeypatch):
+    monkeypatch.setattr(host_loads, "BATCH_BYTES", batch)
     src, dst, arena, starts, size = _setup(3)
     host = arena.numpy()
     if checksum == "crc32":  # an object sealed by an older host writer
