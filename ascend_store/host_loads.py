@@ -30,7 +30,11 @@ from ascend_store.codecs import scatter_pages
 from ascend_store.segments import WORD, StepPages
 from ascend_store.transfer import FLAG_CRC, FLAG_WSUM, HEADER_BYTES, LayerLayout
 
-BATCH_BYTES = 4 << 20  # pages gathered, checked and scattered at once (fits the L3 next to the forward)
+# Pages gathered, checked and scattered at once: a bound on the scratch buffer, above a
+# layer's hit here (14 MiB). Smaller batches cost more than they save: 4 MiB batches (held
+# in the CPU's cache between gather and scatter) slowed the decoding request more than one
+# batch per layer (docs/benchmarks.md, issue 14): every op is one more GIL handoff.
+BATCH_BYTES = 64 << 20
 
 
 @dataclass
@@ -74,9 +78,8 @@ def load_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, page
     """Copy one layer's parts into ``layout``'s cache. ``starts``: per entry, its part's
     arena offset (header included); ``headers``: per entry, that part's header; ``live``:
     the entries still to load. Pages of entries that fail their checksum are not written.
-    The pages go in batches of whole entries of about BATCH_BYTES: a batch is still in
-    the CPU's cache when it is summed and scattered, so the pages cross memory twice
-    (arena in, cache out), not four times."""
+    The pages go in batches of whole entries of up to about BATCH_BYTES (one per layer
+    unless the layer's hit is larger)."""
     pw = layout.page_bytes // WORD
     bad = np.zeros(len(starts), dtype=bool)
     why: dict[int, str] = {}
