@@ -293,6 +293,10 @@ class StoreConfig:
     # Whole mode (use_layerwise false): a pool hit loads off the step (vLLM's
     # WAITING_FOR_REMOTE_KVS); other requests keep decoding meanwhile (async_loads.py).
     async_load: bool = True
+    # The share of time the off-step load may copy: after each layer it sleeps, so the
+    # decoding requests' forward gets the memory bus the rest of the time (on CPU the
+    # copy slows the forward through memory bandwidth, not the GIL: docs/benchmarks.md).
+    async_load_share: float = 1.0
     # kv_producer: a step that completes a prompt waits for its saves' commit, so the reply
     # (which leaves after the step) never races the objects (docs/pd-disaggregation.md).
     commit_before_reply: bool = True
@@ -313,8 +317,8 @@ class StoreConfig:
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
             "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window",
-            "async_load", "commit_before_reply", "save_decode_cache", "head_slices", "layer_slices", "local",
-            "mooncake", "memcache",
+            "async_load", "async_load_share", "commit_before_reply", "save_decode_cache", "head_slices",
+            "layer_slices", "local", "mooncake", "memcache",
             "lookup_cache")
 
     @classmethod
@@ -340,6 +344,7 @@ class StoreConfig:
             copy_path=r.choice("copy_path", "auto", ("auto", "batched", "per_block")),
             load_window=r.take("load_window", 0, int),
             async_load=r.take("async_load", True, bool),
+            async_load_share=r.positive("async_load_share", 1.0),
             commit_before_reply=r.take("commit_before_reply", True, bool),
             save_decode_cache=r.take("save_decode_cache", False, bool),
             head_slices=r.take("head_slices", 0, int),
@@ -352,6 +357,8 @@ class StoreConfig:
             lookup_cache=LookupCacheConfig.parse(r.raw.pop("lookup_cache", None)),
         )
         r.finish(cls.KEYS)
+        if cfg.async_load_share > 1:
+            raise ConfigError(f"async_load_share: a share of time, at most 1, got {cfg.async_load_share}")
         if cfg.load_window < 0:
             raise ConfigError(f"load_window: must be >= 0 (0 = every layer at once), got {cfg.load_window}")
         for name, off in (("head_slices", "objects per TP rank"), ("layer_slices", "objects per stage")):

@@ -19,6 +19,7 @@ has no batched form here.
 
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -30,11 +31,11 @@ from ascend_store.codecs import scatter_pages
 from ascend_store.segments import WORD, StepPages
 from ascend_store.transfer import FLAG_CRC, FLAG_WSUM, HEADER_BYTES, LayerLayout
 
-# Pages gathered, checked and scattered at once: a bound on the scratch buffer, above a
-# layer's hit here (14 MiB). Smaller batches cost more than they save: 4 MiB batches (held
-# in the CPU's cache between gather and scatter) slowed the decoding request more than one
-# batch per layer (docs/benchmarks.md, issue 14): every op is one more GIL handoff.
-BATCH_BYTES = 64 << 20
+# Pages gathered, checked and scattered at once. Small enough that a paced load
+# (``Scratch.rest``) spreads its memory traffic over the forward's steps instead of
+# landing a whole layer's in one of them; each batch costs a few GIL handoffs, which
+# measured negligible next to the memory traffic (docs/benchmarks.md, issue 14).
+BATCH_BYTES = 4 << 20
 
 
 @dataclass
@@ -59,17 +60,24 @@ def batched(layout: LayerLayout, codec, part_offsets: np.ndarray) -> bool:
 
 
 class Scratch:
-    """The load thread's gather buffer, reused from batch to batch and layer to layer: a
-    fresh buffer per layer is a fresh mapping, whose pages the kernel zeroes (one more
-    pass over memory the forward shares)."""
+    """The load thread's gather buffer, reused from batch to batch and layer to layer (a
+    fresh buffer per layer is a fresh mapping, whose pages the kernel zeroes: one more
+    pass over memory the forward shares), and its pace: after each batch it sleeps so
+    that it copies ``share`` of the time (``async_load_share``)."""
 
-    def __init__(self):
+    def __init__(self, share: float = 1.0):
         self.buf = torch.empty(0, dtype=torch.int64)
+        self.share = share
 
     def rows(self, n: int, pw: int) -> torch.Tensor:
         if self.buf.numel() < n * pw:
             self.buf = torch.empty(n * pw, dtype=torch.int64)
         return self.buf[:n * pw].view(n, pw)
+
+    def rest(self, since: float) -> None:
+        """Sleep after work that started at ``since`` (perf_counter), if pacing."""
+        if self.share < 1:
+            time.sleep((time.perf_counter() - since) * (1 / self.share - 1))
 
 
 def load_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, pages: StepPages,
@@ -104,6 +112,7 @@ def load_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, page
     for end in cuts.tolist():  # a few batches per layer, whatever the number of objects
         if end <= at:
             continue
+        t0 = time.perf_counter()
         rows = scratch.rows(end - at, pw)
         torch.index_select(view, 0, src[at:end], out=rows)
         if verify:
@@ -115,6 +124,7 @@ def load_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, page
             keep = torch.from_numpy(np.flatnonzero(moved))
             scatter_pages(layout, _as_pages(rows.index_select(0, keep), layout), block[at:end][moved])
         at = end
+        scratch.rest(t0)
     failed = np.flatnonzero(bad)
     return LayerFaults(failed, [why[e] for e in failed.tolist()])
 

@@ -75,12 +75,12 @@ class LoadJob:
 
 
 class Loader:
-    def __init__(self, ctx: WorkerContext, initializer=None):
+    def __init__(self, ctx: WorkerContext, initializer=None, share: float = 1.0):
         self.ctx = ctx
         self.job: LoadJob | None = None  # this step's
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-load", initializer=initializer)
         self._failed_chunks: set[str] = set()
-        self._scratch = host_loads.Scratch()  # the load thread's gather buffer
+        self._scratch = host_loads.Scratch(share)  # the load thread's buffer and pace (async_loads.py)
 
     def start(self, loads: list[ChunkLoad]) -> LoadJob:
         job = self.job = LoadJob(loads, self.ctx.order)
@@ -231,11 +231,13 @@ class Loader:
                 for adm in admitted:
                     if adm.step.fmt.group != g or not len(adm.entries):
                         continue
+                    t_layer = time.perf_counter()
                     starts = adm.parts[i, adm.obj]
                     if words is not None and host_loads.batched(ctx.layouts[name], ctx.codecs[name], starts):
                         self._copy_layer(job, words, host, adm, name, i, starts)
                     else:
                         self._decode_layer(job, host, arena, adm, name, i)
+                        self._scratch.rest(t_layer)
                 job.events[name].set()
         except Exception as exc:  # the pool is an optimization: never fail the forward
             self._load_failed(job, exc)

@@ -20,7 +20,10 @@ WAITING_FOR_REMOTE_KVS while the worker loads it on its own thread; A keeps deco
 The model is a random Llama sized so that the pool copy (a memcpy plus a CRC32 on CPU)
 of the hit is long next to a decode step.
 
-    python benchmarks/async_load.py [--hit 3800] [--trials 5] [--json out.json]
+``--shares 1,0.5`` adds a non-blocking engine per ``async_load_share`` (the load thread
+sleeps after each layer so that it copies that share of the time), in the same run.
+
+    python benchmarks/async_load.py [--hit 3800] [--trials 5] [--shares 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ sys.path.insert(0, REPO)
 BLOCK = 32
 
 
-def kv_config(socket: str, async_load: bool) -> dict:
+def kv_config(socket: str, async_load: bool, share: float = 1.0) -> dict:
     return {"kv_connector": "AscendStoreConnector", "kv_connector_module_path": "ascend_store.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"use_layerwise": False, "async_load": async_load,
+                                          "async_load_share": share,
                                           "local": {"socket": socket, "start": "never"}}}
 
 
@@ -57,8 +61,8 @@ def child(args) -> None:
 
     llm = LLM(model=args.model, dtype="float32", block_size=BLOCK, enable_prefix_caching=False,
               max_model_len=4096, max_num_seqs=4, distributed_executor_backend="uni",
-              enforce_eager=True, seed=0, kv_transfer_config=KVTransferConfig(**kv_config(args.socket,
-                                                                                          bool(args.async_load))))
+              enforce_eager=True, seed=0, kv_transfer_config=KVTransferConfig(**kv_config(
+                  args.socket, bool(args.async_load), args.share)))
     rng = random.Random(5)
     long_prompt = [rng.randrange(2, 500) for _ in range(args.hit + 1)]
     short = [rng.randrange(2, 500) for _ in range(40)]
@@ -105,6 +109,8 @@ def main() -> None:
     ap.add_argument("--base", type=int, default=12, help="A's tokens before B arrives")
     ap.add_argument("--after", type=int, default=4)
     ap.add_argument("--json")
+    ap.add_argument("--shares", default="1", help="non-blocking runs, one per async_load_share (comma list)")
+    ap.add_argument("--share", type=float, default=1.0, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--async-load", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
@@ -130,8 +136,12 @@ def main() -> None:
         while not ping(socket):
             time.sleep(0.1)
         results = {}
-        for mode, flag in (("blocking", 0), ("non-blocking", 1)):
+        shares = [float(x) for x in args.shares.split(",")]
+        modes = [("blocking", 0, 1.0)] + [("non-blocking" + ("" if sh == 1 else f" {sh:g}"), 1, sh)
+                                          for sh in shares]
+        for mode, flag, share in modes:
             out = subprocess.run([sys.executable, __file__, "--child", "--async-load", str(flag),
+                                  "--share", str(share),
                                   "--socket", socket, "--model", model, "--hit", str(args.hit),
                                   "--trials", str(args.trials), "--base", str(args.base),
                                   "--after", str(args.after)],
@@ -143,13 +153,13 @@ def main() -> None:
     finally:
         pool.terminate()
     print(f"hit {args.hit} tokens ({args.hit * 32 / 1024:.0f} MiB of KV), {args.trials} trials, medians")
-    print(f"{'mode':14s} {'itl_base_ms':>11s} {'itl_hit_ms':>10s} {'ratio':>6s} {'b_step_ms':>9s} "
+    print(f"{'mode':18s} {'itl_base_ms':>11s} {'itl_hit_ms':>10s} {'ratio':>6s} {'b_step_ms':>9s} "
           f"{'b_ttft_ms':>9s}")
     summary = {}
     for mode, trials in results.items():
         med = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
         summary[mode] = med
-        print(f"{mode:14s} {med['itl_base_ms']:11.1f} {med['itl_hit_ms']:10.1f} {med['ratio']:6.2f} "
+        print(f"{mode:18s} {med['itl_base_ms']:11.1f} {med['itl_hit_ms']:10.1f} {med['ratio']:6.2f} "
               f"{med['b_step_ms']:9.1f} {med['b_ttft_ms']:9.1f}")
     if args.json:
         with open(args.json, "w") as f:
