@@ -17,8 +17,8 @@ engine ourselves and time every token of A:
 Blocking (``async_load: false``): B's load runs inside the step before the forward, so
 A's token of that step waits for it. Non-blocking (``async_load: true``): B waits in
 WAITING_FOR_REMOTE_KVS while the worker loads it on its own thread; A keeps decoding.
-The model is a random Llama sized so that the pool copy (a memcpy plus a CRC32 on CPU)
-of the hit is long next to a decode step.
+The model is a random Llama sized so that the pool copy of the hit (on CPU per layer a
+gather, word sums and a scatter: host_loads.py) is long next to a decode step.
 
 ``--shares 1,0.5`` adds a non-blocking engine per ``async_load_share`` (the load thread
 sleeps after each layer so that it copies that share of the time), in the same run.
