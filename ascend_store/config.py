@@ -293,10 +293,12 @@ class StoreConfig:
     # Whole mode (use_layerwise false): a pool hit loads off the step (vLLM's
     # WAITING_FOR_REMOTE_KVS); other requests keep decoding meanwhile (async_loads.py).
     async_load: bool = True
-    # The share of time the off-step load may copy: after each layer it sleeps, so the
-    # decoding requests' forward gets the memory bus the rest of the time (on CPU the
-    # copy slows the forward through memory bandwidth, not the GIL: docs/benchmarks.md).
-    async_load_share: float = 1.0
+    # The share of time the off-step load copies on the host path: it sleeps after each
+    # batch of pages, so the decoding requests' forward gets the memory bus the rest of
+    # the time (the copy slows it through memory bandwidth, no longer the GIL). 0.33 kept
+    # a decoding request's slowdown during a long hit nearest 1.5x, at the price of the
+    # hit's TTFT (docs/benchmarks.md, issue 14).
+    async_load_share: float = 0.33
     # kv_producer: a step that completes a prompt waits for its saves' commit, so the reply
     # (which leaves after the step) never races the objects (docs/pd-disaggregation.md).
     commit_before_reply: bool = True
@@ -344,7 +346,7 @@ class StoreConfig:
             copy_path=r.choice("copy_path", "auto", ("auto", "batched", "per_block")),
             load_window=r.take("load_window", 0, int),
             async_load=r.take("async_load", True, bool),
-            async_load_share=r.positive("async_load_share", 1.0),
+            async_load_share=r.positive("async_load_share", 0.33),
             commit_before_reply=r.take("commit_before_reply", True, bool),
             save_decode_cache=r.take("save_decode_cache", False, bool),
             head_slices=r.take("head_slices", 0, int),

@@ -20,10 +20,11 @@ WAITING_FOR_REMOTE_KVS while the worker loads it on its own thread; A keeps deco
 The model is a random Llama sized so that the pool copy of the hit (on CPU per layer a
 gather, word sums and a scatter: host_loads.py) is long next to a decode step.
 
-``--shares 1,0.5`` adds a non-blocking engine per ``async_load_share`` (the load thread
-sleeps after each layer so that it copies that share of the time), in the same run.
+``--shares 1,0.5`` runs a non-blocking engine per ``async_load_share`` (the load thread
+sleeps after each batch of pages so that it copies that share of the time) instead of one
+at the config's default, in the same run.
 
-    python benchmarks/async_load.py [--hit 3800] [--trials 5] [--shares 1] [--json out.json]
+    python benchmarks/async_load.py [--hit 3800] [--trials 5] [--shares 1,0.33] [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ sys.path.insert(0, REPO)
 BLOCK = 32
 
 
-def kv_config(socket: str, async_load: bool, share: float = 1.0) -> dict:
+def kv_config(socket: str, async_load: bool, share: float | None = None) -> dict:
+    extra = {"use_layerwise": False, "async_load": async_load, "local": {"socket": socket, "start": "never"}}
+    if share is not None:  # else the config's default
+        extra["async_load_share"] = share
     return {"kv_connector": "AscendStoreConnector", "kv_connector_module_path": "ascend_store.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"use_layerwise": False, "async_load": async_load,
-                                          "async_load_share": share,
-                                          "local": {"socket": socket, "start": "never"}}}
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def child(args) -> None:
@@ -109,8 +110,10 @@ def main() -> None:
     ap.add_argument("--base", type=int, default=12, help="A's tokens before B arrives")
     ap.add_argument("--after", type=int, default=4)
     ap.add_argument("--json")
-    ap.add_argument("--shares", default="1", help="non-blocking runs, one per async_load_share (comma list)")
-    ap.add_argument("--share", type=float, default=1.0, help=argparse.SUPPRESS)
+    ap.add_argument("--shares", default="",
+                    help="non-blocking engines, one per async_load_share (comma list; "
+                    "default: one at the config's default)")
+    ap.add_argument("--share", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--async-load", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
@@ -136,12 +139,12 @@ def main() -> None:
         while not ping(socket):
             time.sleep(0.1)
         results = {}
-        shares = [float(x) for x in args.shares.split(",")]
-        modes = [("blocking", 0, 1.0)] + [("non-blocking" + ("" if sh == 1 else f" {sh:g}"), 1, sh)
-                                          for sh in shares]
+        shares = [float(x) for x in args.shares.split(",")] if args.shares else [None]
+        modes = [("blocking", 0, None)] + [("non-blocking" + ("" if sh is None else f" {sh:g}"), 1, sh)
+                                           for sh in shares]
         for mode, flag, share in modes:
             out = subprocess.run([sys.executable, __file__, "--child", "--async-load", str(flag),
-                                  "--share", str(share),
+                                  *(["--share", str(share)] if share is not None else []),
                                   "--socket", socket, "--model", model, "--hit", str(args.hit),
                                   "--trials", str(args.trials), "--base", str(args.base),
                                   "--after", str(args.after)],
