@@ -53,7 +53,7 @@ class AsyncLoads:
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
         # Its own thread (a long hit never queues behind a step's load), off the forward's cores.
-        self.loader = Loader(ctx, initializer=_off_forward_cores)
+        self.loader = Loader(ctx, initializer=_off_forward_cores, share=ctx.cfg.async_load_share)
         self._pending: list[_Pending] = []
         self._errors: set[int] = set()
 

@@ -64,16 +64,20 @@ class RawCodec(Codec):
     def decode(self, layout, payload, n, skip, block_ids):
         # One op for the object's pages, not one per block: a load thread then hands the
         # GIL to the forward once per object (async_loads.py), not once per block.
-        src = _pages(layout, payload, n)[skip:skip + len(block_ids)]
-        blocks = layout.blocks()
-        try:
-            pages = src.to(blocks.device)  # pool memory on the host, the cache maybe on a device
-            if blocks.element_size() == 1:  # fp8 has no index_copy_: the same bytes as uint8
-                blocks, pages = blocks.view(torch.uint8), pages.view(torch.uint8)
-            blocks.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=blocks.device), pages)
-        except (RuntimeError, NotImplementedError):  # a device or dtype without index_copy_
-            for i, b in enumerate(block_ids):
-                layout.page(b).copy_(src[i])
+        scatter_pages(layout, _pages(layout, payload, n)[skip:skip + len(block_ids)], block_ids)
+
+
+def scatter_pages(layout: LayerLayout, src: torch.Tensor, block_ids) -> None:
+    """Write pages ``src`` [n, *page_shape] into blocks ``block_ids`` (a list or int array)."""
+    blocks = layout.blocks()
+    try:
+        pages = src.to(blocks.device)  # pool memory on the host, the cache maybe on a device
+        if blocks.element_size() == 1:  # fp8 has no index_copy_: the same bytes as uint8
+            blocks, pages = blocks.view(torch.uint8), pages.view(torch.uint8)
+        blocks.index_copy_(0, torch.as_tensor(block_ids, dtype=torch.long).to(blocks.device), pages)
+    except (RuntimeError, NotImplementedError):  # a device or dtype without index_copy_
+        for i, b in enumerate(list(block_ids)):
+            layout.page(int(b)).copy_(src[i])
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -293,6 +293,12 @@ class StoreConfig:
     # Whole mode (use_layerwise false): a pool hit loads off the step (vLLM's
     # WAITING_FOR_REMOTE_KVS); other requests keep decoding meanwhile (async_loads.py).
     async_load: bool = True
+    # The share of time the off-step load copies on the host path: it sleeps after each
+    # batch of pages, so the decoding requests' forward gets the memory bus the rest of
+    # the time (the copy slows it through memory bandwidth, no longer the GIL). 0.33 kept
+    # a decoding request's slowdown during a long hit nearest 1.5x, at the price of the
+    # hit's TTFT (docs/benchmarks.md, issue 14).
+    async_load_share: float = 0.33
     # kv_producer: a step that completes a prompt waits for its saves' commit, so the reply
     # (which leaves after the step) never races the objects (docs/pd-disaggregation.md).
     commit_before_reply: bool = True
@@ -316,7 +322,8 @@ class StoreConfig:
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
             "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window",
-            "async_load", "commit_before_reply", "consumer_wait_s", "save_decode_cache", "head_slices",
+            "async_load", "async_load_share", "commit_before_reply", "consumer_wait_s", "save_decode_cache",
+            "head_slices",
             "layer_slices", "local", "mooncake", "memcache",
             "lookup_cache")
 
@@ -343,6 +350,7 @@ class StoreConfig:
             copy_path=r.choice("copy_path", "auto", ("auto", "batched", "per_block")),
             load_window=r.take("load_window", 0, int),
             async_load=r.take("async_load", True, bool),
+            async_load_share=r.positive("async_load_share", 0.33),
             commit_before_reply=r.take("commit_before_reply", True, bool),
             consumer_wait_s=r.take("consumer_wait_s", 0.0, float),
             save_decode_cache=r.take("save_decode_cache", False, bool),
@@ -358,6 +366,8 @@ class StoreConfig:
         r.finish(cls.KEYS)
         if cfg.consumer_wait_s < 0:
             raise ConfigError(f"consumer_wait_s: must be >= 0 (0 = never waits), got {cfg.consumer_wait_s}")
+        if cfg.async_load_share > 1:
+            raise ConfigError(f"async_load_share: a share of time, at most 1, got {cfg.async_load_share}")
         if cfg.load_window < 0:
             raise ConfigError(f"load_window: must be >= 0 (0 = every layer at once), got {cfg.load_window}")
         for name, off in (("head_slices", "objects per TP rank"), ("layer_slices", "objects per stage")):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ascend_store import host_loads
 from ascend_store.backends import BackendUnavailable, Status
 from ascend_store.device_path import LayerObjects, QueuedLoad
 from ascend_store.metadata import ChunkLoad
@@ -74,11 +75,12 @@ class LoadJob:
 
 
 class Loader:
-    def __init__(self, ctx: WorkerContext, initializer=None):
+    def __init__(self, ctx: WorkerContext, initializer=None, share: float = 1.0):
         self.ctx = ctx
         self.job: LoadJob | None = None  # this step's
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-load", initializer=initializer)
         self._failed_chunks: set[str] = set()
+        self._scratch = host_loads.Scratch(share)  # the load thread's buffer and pace (async_loads.py)
 
     def start(self, loads: list[ChunkLoad]) -> LoadJob:
         job = self.job = LoadJob(loads, self.ctx.order)
@@ -215,19 +217,27 @@ class Loader:
 
     # -- the two paths --------------------------------------------------------------
     def _run_load(self, job: LoadJob) -> None:
-        """The host path (a background thread): layer by layer, verify and decode."""
+        """The host path (a background thread): layer by layer, verify and copy (raw
+        parts in a few array ops per layer: host_loads.py) or decode."""
         ctx = self.ctx
         t0 = time.perf_counter()
         try:
             arena, admitted = self._lease(job)
-            host = arena.numpy()
+            host, words = arena.numpy(), host_loads.words_of(arena)
             for name in ctx.order:
                 if job.cancelled:
                     break
                 g, i = ctx.group_of[name]
                 for adm in admitted:
-                    if adm.step.fmt.group == g:
+                    if adm.step.fmt.group != g or not len(adm.entries):
+                        continue
+                    t_layer = time.perf_counter()
+                    starts = adm.parts[i, adm.obj]
+                    if words is not None and host_loads.batched(ctx.layouts[name], ctx.codecs[name], starts):
+                        self._copy_layer(job, words, host, adm, name, i, starts)
+                    else:
                         self._decode_layer(job, host, arena, adm, name, i)
+                        self._scratch.rest(t_layer)
                 job.events[name].set()
         except Exception as exc:  # the pool is an optimization: never fail the forward
             self._load_failed(job, exc)
@@ -237,8 +247,19 @@ class Loader:
             ctx.counters["load_seconds"] += time.perf_counter() - t0
             self._release(job)
 
+    def _copy_layer(self, job: LoadJob, words: torch.Tensor, host: np.ndarray, adm: Admitted, name: str,
+                    i: int, starts: np.ndarray) -> None:
+        live = ~np.isin(adm.entries, np.fromiter(job.failed, dtype=np.int64, count=len(job.failed)))
+        faults = host_loads.load_layer(words, host, self.ctx.layouts[name], adm.planner.pages, starts,
+                                       adm.headers[i, adm.obj], live, self.ctx.cfg.verify_checksum,
+                                       self._scratch)
+        for e, why in zip(faults.entries.tolist(), faults.why):
+            self._rejected(job, int(adm.entries[e]),
+                           CorruptObject(f"{adm.step.keys[adm.obj[e]]} layer {name}: {why}"))
+
     def _decode_layer(self, job: LoadJob, host: np.ndarray, arena: torch.Tensor, adm: Admitted,
                       name: str, i: int) -> None:
+        """Object by object: int8 and zstd parts (per-object decoders) and unaligned raw ones."""
         ctx = self.ctx
         checked: dict[int, bool] = {}
         for j, k in zip(adm.entries.tolist(), adm.obj.tolist()):

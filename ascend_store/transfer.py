@@ -5,8 +5,9 @@ A pool object is one layer's KV for one chunk (``blocks_per_chunk`` blocks):
     [32-byte header][payload: the chunk's pages, encoded by the codec (codecs.py)]
 
 The header binds the payload to its key, to the cache layout it was cut from and to the
-codec, and carries a CRC32, so a corrupted payload, a truncated object or an object
-stored under the wrong key is detected before a byte reaches the KV cache.
+codec, and carries a checksum (checksum.py's word sums, or a CRC32), so a corrupted
+payload, a truncated object or an object stored under the wrong key is detected before a
+byte reaches the KV cache.
 
 On accelerators the payload moves in one batched copy per layer (segments.py) that
 also computes a word checksum; the header says which checksum it carries.
@@ -37,8 +38,8 @@ HEADER_VERSION = 1
 HEADER_RECORD = np.dtype([("magic", "S4"), ("version", "<u2"), ("flags", "<u2"), ("fp", "<u8"),
                           ("payload", "<u8"), ("crc", "<u4"), ("codec", "<u2"), ("pad", "<u2")])
 assert HEADER_RECORD.itemsize == HEADER_BYTES
-FLAG_CRC = 1  # ``crc`` is the payload's CRC32 (host writers)
-FLAG_WSUM = 2  # ``crc`` is the folded word checksum of segments.py (accelerator writers)
+FLAG_CRC = 1  # ``crc`` is the payload's CRC32 (host writers of payloads that are not whole words)
+FLAG_WSUM = 2  # ``crc`` is the folded word checksum of checksum.py (every other writer)
 
 
 class CorruptObject(ValueError):
@@ -164,15 +165,20 @@ def write_object(obj: torch.Tensor, layout: LayerLayout, block_ids: list[int], k
 def seal(obj: torch.Tensor, payload_len: int, layout: LayerLayout, key: str, codec, checksum: bool,
          wsum: int | None = None, salt: int = 0) -> None:
     """Write the header of an object whose payload is already in ``obj[HEADER_BYTES:]``
-    (``wsum``: the word checksum a copy computed, instead of a CRC32 here). One object
-    goes through struct, not ``seal_headers``: per object, that numpy pass slowed the host
-    save path enough to halve the soak test's pool hits (65-78 against 129-233)."""
+    (``wsum``: the word checksum a copy computed). Otherwise the word checksum is computed
+    here when the payload is whole words, so the host load path checks a layer's parts in
+    one pass (host_loads.py), and a CRC32 for other payloads (zstd). One object goes
+    through struct, not ``seal_headers``: per object, that numpy pass slowed the host save
+    path enough to halve the soak test's pool hits (65-78 against 129-233)."""
+    payload = obj[HEADER_BYTES:HEADER_BYTES + payload_len]
     if not checksum:
         flags, crc = 0, 0
     elif wsum is not None:
         flags, crc = FLAG_WSUM, wsum
+    elif payload_len % 8 == 0:
+        flags, crc = FLAG_WSUM, wsum_host(payload.numpy())
     else:
-        flags, crc = FLAG_CRC, zlib.crc32(obj[HEADER_BYTES:HEADER_BYTES + payload_len].numpy())
+        flags, crc = FLAG_CRC, zlib.crc32(payload.numpy())
     fp = int.from_bytes(fingerprint(key, layout, codec.name), "little") ^ salt
     header = HEADER.pack(MAGIC, HEADER_VERSION, flags, fp.to_bytes(8, "little"), payload_len, crc,
                          codec.cid, 0)

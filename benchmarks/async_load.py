@@ -17,10 +17,14 @@ engine ourselves and time every token of A:
 Blocking (``async_load: false``): B's load runs inside the step before the forward, so
 A's token of that step waits for it. Non-blocking (``async_load: true``): B waits in
 WAITING_FOR_REMOTE_KVS while the worker loads it on its own thread; A keeps decoding.
-The model is a random Llama sized so that the pool copy (a memcpy plus a CRC32 on CPU)
-of the hit is long next to a decode step.
+The model is a random Llama sized so that the pool copy of the hit (on CPU per layer a
+gather, word sums and a scatter: host_loads.py) is long next to a decode step.
 
-    python benchmarks/async_load.py [--hit 3800] [--trials 5] [--json out.json]
+``--shares 1,0.5`` runs a non-blocking engine per ``async_load_share`` (the load thread
+sleeps after each batch of pages so that it copies that share of the time) instead of one
+at the config's default, in the same run.
+
+    python benchmarks/async_load.py [--hit 3800] [--trials 5] [--shares 1,0.33] [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,11 +44,12 @@ sys.path.insert(0, REPO)
 BLOCK = 32
 
 
-def kv_config(socket: str, async_load: bool) -> dict:
+def kv_config(socket: str, async_load: bool, share: float | None = None) -> dict:
+    extra = {"use_layerwise": False, "async_load": async_load, "local": {"socket": socket, "start": "never"}}
+    if share is not None:  # else the config's default
+        extra["async_load_share"] = share
     return {"kv_connector": "AscendStoreConnector", "kv_connector_module_path": "ascend_store.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"use_layerwise": False, "async_load": async_load,
-                                          "local": {"socket": socket, "start": "never"}}}
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def child(args) -> None:
@@ -57,8 +62,8 @@ def child(args) -> None:
 
     llm = LLM(model=args.model, dtype="float32", block_size=BLOCK, enable_prefix_caching=False,
               max_model_len=4096, max_num_seqs=4, distributed_executor_backend="uni",
-              enforce_eager=True, seed=0, kv_transfer_config=KVTransferConfig(**kv_config(args.socket,
-                                                                                          bool(args.async_load))))
+              enforce_eager=True, seed=0, kv_transfer_config=KVTransferConfig(**kv_config(
+                  args.socket, bool(args.async_load), args.share)))
     rng = random.Random(5)
     long_prompt = [rng.randrange(2, 500) for _ in range(args.hit + 1)]
     short = [rng.randrange(2, 500) for _ in range(40)]
@@ -105,6 +110,10 @@ def main() -> None:
     ap.add_argument("--base", type=int, default=12, help="A's tokens before B arrives")
     ap.add_argument("--after", type=int, default=4)
     ap.add_argument("--json")
+    ap.add_argument("--shares", default="",
+                    help="non-blocking engines, one per async_load_share (comma list; "
+                    "default: one at the config's default)")
+    ap.add_argument("--share", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--async-load", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
@@ -130,8 +139,12 @@ def main() -> None:
         while not ping(socket):
             time.sleep(0.1)
         results = {}
-        for mode, flag in (("blocking", 0), ("non-blocking", 1)):
+        shares = [float(x) for x in args.shares.split(",")] if args.shares else [None]
+        modes = [("blocking", 0, None)] + [("non-blocking" + ("" if sh is None else f" {sh:g}"), 1, sh)
+                                           for sh in shares]
+        for mode, flag, share in modes:
             out = subprocess.run([sys.executable, __file__, "--child", "--async-load", str(flag),
+                                  *(["--share", str(share)] if share is not None else []),
                                   "--socket", socket, "--model", model, "--hit", str(args.hit),
                                   "--trials", str(args.trials), "--base", str(args.base),
                                   "--after", str(args.after)],
@@ -143,13 +156,13 @@ def main() -> None:
     finally:
         pool.terminate()
     print(f"hit {args.hit} tokens ({args.hit * 32 / 1024:.0f} MiB of KV), {args.trials} trials, medians")
-    print(f"{'mode':14s} {'itl_base_ms':>11s} {'itl_hit_ms':>10s} {'ratio':>6s} {'b_step_ms':>9s} "
+    print(f"{'mode':18s} {'itl_base_ms':>11s} {'itl_hit_ms':>10s} {'ratio':>6s} {'b_step_ms':>9s} "
           f"{'b_ttft_ms':>9s}")
     summary = {}
     for mode, trials in results.items():
         med = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
         summary[mode] = med
-        print(f"{mode:14s} {med['itl_base_ms']:11.1f} {med['itl_hit_ms']:10.1f} {med['ratio']:6.2f} "
+        print(f"{mode:18s} {med['itl_base_ms']:11.1f} {med['itl_hit_ms']:10.1f} {med['ratio']:6.2f} "
               f"{med['b_step_ms']:9.1f} {med['b_ttft_ms']:9.1f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -91,6 +91,8 @@ def test_bad_backend_lists_accepted_values():
     ({"use_layerwise": 1}, "use_layerwise"),
     ({"verify_checksum": "true"}, "verify_checksum"),
     ({"async_load": 1}, "async_load"),
+    ({"async_load_share": 0}, "async_load_share"),
+    ({"async_load_share": 1.5}, "async_load_share"),
     ({"save_decode_cache": "yes"}, "save_decode_cache"),
     ({"timeout_s": -1}, "timeout_s"),
     ({"timeout_s": 0}, "timeout_s"),

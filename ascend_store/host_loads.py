@@ -1,0 +1,150 @@
+"""The host load path's layer copy (CPU): a layer's raw parts of a step's objects into the
+KV cache in a constant number of array ops, whatever the number of objects.
+
+The copy runs on a load thread next to the forward (async_loads.py). Each op releases the
+GIL and holds it again on return, and every time the load thread holds it the forward's
+thread may wait for it (up to the 5 ms switch interval): a Python loop over objects per
+layer made the forward wait hundreds of times per hit (docs/benchmarks.md, issue 14). So
+per layer: one gather of every payload page (including pages read only for the checksum),
+two sums over it, one numpy pass that combines them into each object's word checksum
+(checksum.py), one scatter of the checked pages. A corrupt object still fails alone: its
+pages are left out of the scatter and its entries are reported.
+
+Only raw parts whose offsets and pages are whole 8-byte words take this path; int8 and
+zstd parts decode per object in ``loads.py`` (their decoders are per-object tensor code,
+and the accelerator path covers int8 in bulk). Parts sealed with a CRC32 (by writers
+before host writers sealed word sums, or zstd) are checked one by one: rare, and CRC32
+has no batched form here.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ascend_store.checksum import fold_array
+from ascend_store.codecs import scatter_pages
+from ascend_store.segments import WORD, StepPages
+from ascend_store.transfer import FLAG_CRC, FLAG_WSUM, HEADER_BYTES, LayerLayout
+
+# Pages gathered, checked and scattered at once. Small enough that a paced load
+# (``Scratch.rest``) spreads its memory traffic over the forward's steps instead of
+# landing a whole layer's in one of them; each batch costs a few GIL handoffs, which
+# measured negligible next to the memory traffic (docs/benchmarks.md, issue 14).
+BATCH_BYTES = 4 << 20
+
+
+@dataclass
+class LayerFaults:
+    """Entries (positions in the group's admitted entries) whose part of a layer failed."""
+
+    entries: np.ndarray
+    why: list[str]
+
+
+def words_of(arena: torch.Tensor) -> torch.Tensor | None:
+    """The arena as int64 words (None when its start is not word aligned)."""
+    if arena.storage_offset() % WORD:
+        return None
+    return arena[:arena.numel() // WORD * WORD].view(torch.int64)
+
+
+def batched(layout: LayerLayout, codec, part_offsets: np.ndarray) -> bool:
+    """Whether a layer's parts can take the batched copy."""
+    return (codec.name == "raw" and layout.page_bytes % WORD == 0
+            and not ((part_offsets + HEADER_BYTES) % WORD).any())
+
+
+class Scratch:
+    """The load thread's gather buffer, reused from batch to batch and layer to layer (a
+    fresh buffer per layer is a fresh mapping, whose pages the kernel zeroes: one more
+    pass over memory the forward shares), and its pace: after each batch it sleeps so
+    that it copies ``share`` of the time (``async_load_share``)."""
+
+    def __init__(self, share: float = 1.0):
+        self.buf = torch.empty(0, dtype=torch.int64)
+        self.share = share
+
+    def rows(self, n: int, pw: int) -> torch.Tensor:
+        if self.buf.numel() < n * pw:
+            self.buf = torch.empty(n * pw, dtype=torch.int64)
+        return self.buf[:n * pw].view(n, pw)
+
+    def rest(self, since: float) -> None:
+        """Sleep after work that started at ``since`` (perf_counter), if pacing."""
+        if self.share < 1:
+            time.sleep((time.perf_counter() - since) * (1 / self.share - 1))
+
+
+def load_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, pages: StepPages,
+               starts: np.ndarray, headers: np.ndarray, live: np.ndarray, verify: bool,
+               scratch: Scratch) -> LayerFaults:
+    """Copy one layer's parts into ``layout``'s cache. ``starts``: per entry, its part's
+    arena offset (header included); ``headers``: per entry, that part's header; ``live``:
+    the entries still to load. Pages of entries that fail their checksum are not written.
+    The pages go in batches of whole entries of up to about BATCH_BYTES (one per layer
+    unless the layer's hit is larger)."""
+    pw = layout.page_bytes // WORD
+    bad = np.zeros(len(starts), dtype=bool)
+    why: dict[int, str] = {}
+    flags = headers["flags"].astype(np.int64)
+    wsum = live & ((flags & FLAG_WSUM) != 0) if verify else np.zeros(len(starts), dtype=bool)
+    if verify:
+        for e in np.flatnonzero(live & ((flags & (FLAG_WSUM | FLAG_CRC)) == 0)).tolist():
+            bad[e], why[e] = True, "written without a checksum"
+        for e in np.flatnonzero(live & ~wsum & ((flags & FLAG_CRC) != 0)).tolist():
+            at = int(starts[e]) + HEADER_BYTES
+            if zlib.crc32(arena[at:at + int(headers["payload"][e])]) != int(headers["crc"][e]):
+                bad[e], why[e] = True, "checksum mismatch"
+    take = (live & ~bad)[pages.obj]  # pages of live entries, entry after entry
+    obj, page, block = pages.obj[take], pages.page[take], pages.block[take]
+    src = torch.from_numpy((starts + HEADER_BYTES)[obj] // WORD + page * pw)
+    view = words.unfold(0, pw, 1)  # every word offset's page-long run
+    first = np.flatnonzero(np.r_[True, obj[1:] != obj[:-1]])  # each entry's first page
+    per = max(1, BATCH_BYTES // layout.page_bytes)
+    cuts = np.unique(np.r_[first[np.searchsorted(first, np.arange(per, len(obj), per), side="right") - 1],
+                           len(obj)])
+    at = 0
+    for end in cuts.tolist():  # a few batches per layer, whatever the number of objects
+        if end <= at:
+            continue
+        t0 = time.perf_counter()
+        rows = scratch.rows(end - at, pw)
+        torch.index_select(view, 0, src[at:end], out=rows)
+        if verify:
+            _check_words(rows, obj[at:end], page[at:end], pw, headers, wsum, bad, why)
+        moved = (block[at:end] >= 0) & ~bad[obj[at:end]]
+        if moved.all():
+            scatter_pages(layout, _as_pages(rows, layout), block[at:end])
+        elif moved.any():
+            keep = torch.from_numpy(np.flatnonzero(moved))
+            scatter_pages(layout, _as_pages(rows.index_select(0, keep), layout), block[at:end][moved])
+        at = end
+        scratch.rest(t0)
+    failed = np.flatnonzero(bad)
+    return LayerFaults(failed, [why[e] for e in failed.tolist()])
+
+
+def _check_words(rows: torch.Tensor, obj: np.ndarray, page: np.ndarray, pw: int, headers: np.ndarray,
+                 wsum: np.ndarray, bad: np.ndarray, why: dict[int, str]) -> None:
+    """Each entry's word checksum from its pages' sums (a page at word p of its payload
+    adds s1 and t + p * s1, as in segments.object_sums), against its header's."""
+    weights = torch.arange(1, pw + 1, dtype=torch.int64)
+    s1 = rows.sum(1).numpy().view(np.uint64)  # int64 sums wrap like the uint64 ones
+    t = torch.mv(rows, weights).numpy().view(np.uint64)  # no [pages, words] temporary (3x faster here)
+    first = np.flatnonzero(np.r_[True, obj[1:] != obj[:-1]])  # each entry's first page
+    with np.errstate(over="ignore"):
+        s2 = t + (page * pw).astype(np.uint64) * s1
+        sums = fold_array(np.add.reduceat(s1, first), np.add.reduceat(s2, first))
+    entries = obj[first]
+    wrong = wsum[entries] & (sums != headers["crc"][entries].astype(np.int64))
+    for e in entries[wrong].tolist():
+        bad[e], why[e] = True, "checksum mismatch"
+
+
+def _as_pages(rows: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
+    return rows.view(torch.uint8).view(layout.tensor.dtype).view(len(rows), *layout.page_shape)
