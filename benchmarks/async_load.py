@@ -10,10 +10,13 @@ engine ourselves and time every token of A:
              from B's arrival to B's own step (non-blocking), or B's step, which carries
              the load (blocking)
   ratio      itl_hit / itl_base (per trial; the median over trials is reported)
+  mean_ms    the mean inter-token latency of A over those steps, and its ratio to itl_base
   b_step     A's inter-token latency in the step that computes B's one new token (vLLM
              reads B's whole context there: the same cost after a device-cache hit)
   b_ttft     B's time to its token
 
+Miss (recompute): B's prompt is not in the pool (a new one each trial); vLLM computes it
+in one step, which A's token of that step waits for: what the pool saves A, and B.
 Blocking (``async_load: false``): B's load runs inside the step before the forward, so
 A's token of that step waits for it. Non-blocking (``async_load: true``): B waits in
 WAITING_FOR_REMOTE_KVS while the worker loads it on its own thread; A keeps decoding.
@@ -68,7 +71,11 @@ def child(args) -> None:
     long_prompt = [rng.randrange(2, 500) for _ in range(args.hit + 1)]
     short = [rng.randrange(2, 500) for _ in range(40)]
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
-    llm.generate([TokensPrompt(prompt_token_ids=long_prompt)], greedy, use_tqdm=False)  # in the pool now
+    # In the pool now (computed by the first engine of a run, the miss engine: its token is
+    # the one without the pool).
+    first = llm.generate([TokensPrompt(prompt_token_ids=long_prompt)], greedy, use_tqdm=False)[0]
+    if args.miss:  # B's prompt is new each trial: recomputed, for comparison
+        long_prompts = [[rng.randrange(2, 500) for _ in range(args.hit + 1)] for _ in range(args.trials)]
     engine = llm.llm_engine
     trials = []
     for t in range(args.trials):
@@ -84,10 +91,13 @@ def child(args) -> None:
                     a_times.append((time.perf_counter(), step))
                     seen = len(out.outputs[0].token_ids)
                 elif out.request_id == b_id and out.finished:
-                    b_step, b_done = step, time.perf_counter()
+                    b_step, b_done, b_token = step, time.perf_counter(), out.outputs[0].token_ids[0]
+                if out.request_id == a_id:
+                    a_tokens = list(out.outputs[0].token_ids)
             if b_sent is None and seen >= args.base:
                 b_sent, b_first = time.perf_counter(), step + 1
-                engine.add_request(b_id, TokensPrompt(prompt_token_ids=long_prompt), greedy)
+                b_prompt = long_prompts[t] if args.miss else long_prompt
+                engine.add_request(b_id, TokensPrompt(prompt_token_ids=b_prompt), greedy)
         engine.abort_request([a_id])
         while engine.has_unfinished_requests():
             engine.step()
@@ -97,10 +107,12 @@ def child(args) -> None:
         # step; B's step itself when the load runs inside it.
         loading = [k for k in range(b_first, b_step) if k in itl] or [b_step]
         hit = max(itl[k] for k in loading)
+        mean = statistics.mean(itl[k] for k in loading)
         trials.append({"itl_base_ms": base * 1e3, "itl_hit_ms": hit * 1e3, "ratio": hit / base,
+                       "itl_hit_mean_ms": mean * 1e3, "ratio_mean": mean / base,
                        "b_step_ms": itl[b_step] * 1e3, "b_ttft_ms": (b_done - b_sent) * 1e3,
-                       "load_steps": len(loading)})
-    print("RESULT " + json.dumps(trials), flush=True)
+                       "load_steps": len(loading), "b_token": b_token, "a_tokens": a_tokens})
+    print("RESULT " + json.dumps({"trials": trials, "first": first.outputs[0].token_ids[0]}), flush=True)
 
 
 def main() -> None:
@@ -116,6 +128,7 @@ def main() -> None:
     ap.add_argument("--share", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--async-load", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--miss", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -138,12 +151,13 @@ def main() -> None:
     try:
         while not ping(socket):
             time.sleep(0.1)
-        results = {}
+        results, firsts = {}, {}
         shares = [float(x) for x in args.shares.split(",")] if args.shares else [None]
-        modes = [("blocking", 0, None)] + [("non-blocking" + ("" if sh is None else f" {sh:g}"), 1, sh)
-                                           for sh in shares]
-        for mode, flag, share in modes:
+        modes = [("miss (recompute)", 0, None, 1), ("blocking", 0, None, 0)] + \
+            [("non-blocking" + ("" if sh is None else f" {sh:g}"), 1, sh, 0) for sh in shares]
+        for mode, flag, share, miss in modes:
             out = subprocess.run([sys.executable, __file__, "--child", "--async-load", str(flag),
+                                  "--miss", str(miss),
                                   *(["--share", str(share)] if share is not None else []),
                                   "--socket", socket, "--model", model, "--hit", str(args.hit),
                                   "--trials", str(args.trials), "--base", str(args.base),
@@ -152,21 +166,32 @@ def main() -> None:
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
             if out.returncode or not lines:
                 raise SystemExit(f"{mode} engine failed:\n{out.stderr[-4000:]}")
-            results[mode] = json.loads(lines[-1][len("RESULT "):])
+            got = json.loads(lines[-1][len("RESULT "):])
+            results[mode], firsts[mode] = got["trials"], got["first"]
     finally:
         pool.terminate()
     print(f"hit {args.hit} tokens ({args.hit * 32 / 1024:.0f} MiB of KV), {args.trials} trials, medians")
-    print(f"{'mode':18s} {'itl_base_ms':>11s} {'itl_hit_ms':>10s} {'ratio':>6s} {'b_step_ms':>9s} "
-          f"{'b_ttft_ms':>9s}")
+    print(f"{'mode':18s} {'itl_base_ms':>11s} {'itl_hit_ms':>10s} {'ratio':>6s} {'mean_ms':>7s} "
+          f"{'ratio':>6s} {'b_step_ms':>9s} {'b_ttft_ms':>9s}")
     summary = {}
     for mode, trials in results.items():
-        med = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
+        med = {k: statistics.median(t[k] for t in trials) for k in trials[0]
+               if not k.endswith(("token", "tokens"))}
         summary[mode] = med
         print(f"{mode:18s} {med['itl_base_ms']:11.1f} {med['itl_hit_ms']:10.1f} {med['ratio']:6.2f} "
-              f"{med['b_step_ms']:9.1f} {med['b_ttft_ms']:9.1f}")
+              f"{med['itl_hit_mean_ms']:7.1f} {med['ratio_mean']:6.2f} {med['b_step_ms']:9.1f} "
+              f"{med['b_ttft_ms']:9.1f}")
+    # The same tokens as without the pool: B's (a hit) as the miss engine's first answer to
+    # that prompt (computed before it was in the pool); A's (never a hit) alike in every engine.
+    alone, n = firsts["miss (recompute)"], args.base + args.after
+    a_alone = results["miss (recompute)"][0]["a_tokens"][:n]
+    same = {mode: all(t["b_token"] == alone and t["a_tokens"][:n] == a_alone for t in trials)
+            for mode, trials in results.items() if mode != "miss (recompute)"}
+    print(f"same tokens as without the pool: {same}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"hit_tokens": args.hit, "summary": summary, "trials": results}, f, indent=1)
+            json.dump({"hit_tokens": args.hit, "summary": summary, "same_tokens": same, "trials": results}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

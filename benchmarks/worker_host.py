@@ -150,8 +150,13 @@ def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, ti
             fn()
             if profiling:
                 profiler.disable()
-            out[kind].append({"wall": time.perf_counter() - t0, **timers.take(),
-                              "rpcs": worker.backend.rpcs - rpcs})
+            wall, times = time.perf_counter() - t0, timers.take()
+            # A load's leases are released on the load thread, off the step: count that call
+            # (older checkouts have no such thread).
+            after = getattr(getattr(worker, "loader", None), "_thread", None)
+            if kind == "load" and after is not None:
+                after.submit(lambda: None).result()
+            out[kind].append({"wall": wall, **times, "rpcs": worker.backend.rpcs - rpcs})
         if out["failed"] and kernels.copy_segments_sum_torch is real_copy:
             raise SystemExit(f"{out['failed']} blocks failed to load")
         for name in worker.order if kernels.copy_segments_sum_torch is real_copy else ():  # block for block
