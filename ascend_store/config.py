@@ -323,9 +323,7 @@ class StoreConfig:
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
             "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window",
             "async_load", "async_load_share", "commit_before_reply", "consumer_wait_s", "save_decode_cache",
-            "head_slices",
-            "layer_slices", "local", "mooncake", "memcache",
-            "lookup_cache")
+            "head_slices", "layer_slices", "local", "mooncake", "memcache", "lookup_cache")
 
     @classmethod
     def parse(cls, raw: Any) -> "StoreConfig":

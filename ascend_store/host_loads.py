@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ascend_store.checksum import fold_array
 from ascend_store.codecs import scatter_pages
-from ascend_store.segments import WORD, StepPages
+from ascend_store.segments import WORD, StepPages, combine_sums
 from ascend_store.transfer import FLAG_CRC, FLAG_WSUM, HEADER_BYTES, LayerLayout
 
 # Pages gathered, checked and scattered at once. Small enough that a paced load
@@ -131,15 +130,13 @@ def load_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, page
 
 def _check_words(rows: torch.Tensor, obj: np.ndarray, page: np.ndarray, pw: int, headers: np.ndarray,
                  wsum: np.ndarray, bad: np.ndarray, why: dict[int, str]) -> None:
-    """Each entry's word checksum from its pages' sums (a page at word p of its payload
-    adds s1 and t + p * s1, as in segments.object_sums), against its header's."""
+    """Each entry's word checksum from its pages' sums (``segments.combine_sums``), against
+    its header's."""
     weights = torch.arange(1, pw + 1, dtype=torch.int64)
     s1 = rows.sum(1).numpy().view(np.uint64)  # int64 sums wrap like the uint64 ones
     t = torch.mv(rows, weights).numpy().view(np.uint64)  # no [pages, words] temporary (3x faster here)
     first = np.flatnonzero(np.r_[True, obj[1:] != obj[:-1]])  # each entry's first page
-    with np.errstate(over="ignore"):
-        s2 = t + (page * pw).astype(np.uint64) * s1
-        sums = fold_array(np.add.reduceat(s1, first), np.add.reduceat(s2, first))
+    sums = combine_sums(s1, t, page * pw, first)
     entries = obj[first]
     wrong = wsum[entries] & (sums != headers["crc"][entries].astype(np.int64))
     for e in entries[wrong].tolist():

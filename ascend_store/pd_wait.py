@@ -7,12 +7,12 @@ and its objects are on their way. A producer that holds its reply until its comm
 producer configured otherwise, or a proxy that sends to decode before prefill answers)
 leaves a window in which decode finds only part of the prompt and recomputes the rest.
 
-With ``consumer_wait_s`` > 0, a marked request whose pool hit is short of what the producer stores
-(the prompt's whole blocks, less the token vLLM computes itself) is answered "not known yet": vLLM skips
-it for this step and asks again at the next, while the other requests run. The pool is
-asked at most once per ``POLL_S`` per request; past the deadline the request goes on with
-what the pool holds (a short hit costs recompute, never a wrong token). Unmarked requests
-never wait.
+With ``consumer_wait_s`` > 0, a marked request whose pool hit is short of what the
+producer stores (the prompt's whole blocks, less the token vLLM computes itself) is
+answered "not known yet": vLLM skips it for this step and asks again at the next, while
+the other requests run. The pool is asked at most once per ``POLL_S`` per request; past
+the deadline the request goes on with what the pool holds (a short hit costs recompute,
+never a wrong token). Unmarked requests never wait.
 """
 
 from __future__ import annotations

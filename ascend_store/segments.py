@@ -174,6 +174,16 @@ def plan_objects(plan: PagePlan, objects: list[tuple[int, list[int], int]], load
     return CopyPlanner(pages).layer(plan, offs, load)
 
 
+def combine_sums(s1: np.ndarray, t: np.ndarray, payload_word: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Folded checksums of objects from their segments' (s1, t) word sums (uint64, along
+    the last axis), where a segment at word ``payload_word`` of its object's payload adds
+    s1 and t + payload_word * s1, and each object's segments run from its ``first`` to
+    the next one's."""
+    with np.errstate(over="ignore"):
+        s2 = t + payload_word.astype(np.uint64) * s1
+        return fold_array(np.add.reduceat(s1, first, axis=-1), np.add.reduceat(s2, first, axis=-1))
+
+
 def object_sums(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> list[int]:
     """Folded checksums per object from the kernel's per-segment (s1, t) pairs (an
     object's segments are consecutive in the plan)."""
@@ -181,10 +191,7 @@ def object_sums(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> list[i
         return []
     sums = seg_sums.astype(np.int64).view(np.uint64).reshape(-1, 2)
     first = np.searchsorted(copy.obj_of_seg, np.arange(n_objects))
-    with np.errstate(over="ignore"):
-        s1 = np.add.reduceat(sums[:, 0], first)
-        s2 = np.add.reduceat(sums[:, 1] + copy.payload_word.astype(np.uint64) * sums[:, 0], first)
-    return fold_array(s1, s2).tolist()
+    return combine_sums(sums[:, 0], sums[:, 1], copy.payload_word, first).tolist()
 
 
 def object_sums_many(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> np.ndarray:
@@ -195,11 +202,7 @@ def object_sums_many(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> n
         return np.zeros((layers, 0), dtype=np.int64)
     sums = seg_sums.astype(np.int64).view(np.uint64).reshape(layers, -1, 2)
     first = np.searchsorted(copy.obj_of_seg, np.arange(n_objects))
-    with np.errstate(over="ignore"):
-        s1 = np.add.reduceat(sums[:, :, 0], first, axis=1)
-        s2 = np.add.reduceat(sums[:, :, 1] + copy.payload_word.astype(np.uint64)[None, :] * sums[:, :, 0],
-                             first, axis=1)
-    return fold_array(s1, s2)
+    return combine_sums(sums[:, :, 0], sums[:, :, 1], copy.payload_word, first)
 
 
 def run_copy(copy: LayerCopy, src, dst, device: torch.device) -> torch.Tensor:
