@@ -1,54 +1,67 @@
 """The worker's batched transfer path (CUDA; NPU through device.py; CPU for tests).
 
-The pool's arena is registered as pinned host memory. Each layer moves on a side stream
-in two parts: the copy engine moves whole objects between the arena and device memory
-(one DMA per run of adjacent slots), and one kernel (segments.py) scatters or gathers
-their pages to or from the paged cache, summing every word on the way. The kernel only
-touches device memory, so it takes the SMs for microseconds; a kernel reading the arena
-over the link directly would hold SMs for the whole transfer and slow the forward it is
-meant to hide behind (measured: docs/benchmarks.md). The compute stream never waits on
-the host:
+The pool's arena is registered as pinned host memory. Loads move in *batches* of a
+group's layers of one page shape (up to ``BATCH_BYTES``; a layer of a long prompt is a
+batch of its own), each in two parts: the copy engine moves the batch's parts of every
+object between the arena and device memory (a chunk object holds its layers' parts back
+to back, so one 2D DMA per run of equally spaced objects covers the whole batch), and one
+kernel scatters the pages of every layer of the batch into the paged caches, summing
+every word on the way (kernels.load_rows: one plan per step, shifted per layer and per
+object). The kernel only touches device memory, so it takes the SMs for microseconds; a
+kernel reading the arena over the link directly would hold SMs for the whole transfer
+and slow the forward it is meant to hide behind (measured: docs/benchmarks.md). The
+compute stream never waits on the host:
 
-- load: ``queue_load`` queues a layer's copy and returns its event, with no host wait;
-  the worker queues every layer before the forward and ``wait_for_layer_load`` makes the
-  compute stream wait on that layer's event. ``check_load`` compares the sums once the
-  copy is done (at the end of the step), and a mismatch becomes a failed load. The DMAs
-  run on a stage stream into two staging buffers used in turn, the kernels on the load
-  stream: the copy engine fills one buffer while a kernel drains the other.
+- load: ``queue_batch`` queues a batch's copy and returns its event, with no host wait;
+  the worker queues every batch before the forward and ``wait_for_layer_load`` makes the
+  compute stream wait on the event of that layer's batch. ``check_loads`` compares the
+  sums once the copies are done (at the end of the step), and a mismatch becomes a failed
+  load. The DMAs run on a stage stream into two staging buffers used in turn, the
+  kernels on the load stream: the copy engine fills one buffer while a kernel drains the
+  other. The host's work per step grows with the number of batches, not of layers.
 - save: the copy of a layer starts from an event recorded on the compute stream right
   after the layer wrote its KV; the headers (with the sums the copy accumulated) are
   written when the copy is done, before the objects are committed.
 
-Layers stored with the int8 codec take the same DMAs (half the bytes); their pages are
-dequantized by one kernel per layer and quantized by whole-class tensor ops
-(int8_path.py), with word sums per object.
+Layers stored with the int8 codec take the same DMAs (half the bytes), a batch each;
+their pages are dequantized by one kernel per layer and quantized by whole-class tensor
+ops (int8_path.py), with word sums per object.
 
 vLLM-free, so ``benchmarks/layerwise.py`` drives exactly this code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from ascend_store import int8_path
-from ascend_store.checksum import fold_array, fold_sums
+from ascend_store import int8_path, kernels
+from ascend_store.checksum import fold_sums
 from ascend_store.device import Device
 from ascend_store.segments import (
     WORD,
     CopyPlanner,
     LayerCopy,
+    RowPlan,
     StepPages,
+    dma_runs,
+    fold_alike,
     host_array,
     object_sums,
-    object_sums_many,
     page_plan,
     run_copy,
+    stage_layout,
     storage_words,
 )
 from ascend_store.transfer import HEADER_BYTES, LayerLayout
+
+# Layers are added to a load batch until it holds this much: a DMA this long runs at
+# ~95% of the link (shorter ones lose to their fixed cost, docs/benchmarks.md), and each
+# batch costs the host a DMA, a kernel launch and an event. A longer layer goes alone, so
+# the forward can start on the first layer while the rest are still on the link.
+BATCH_BYTES = 32 * 2**20
 
 
 @dataclass
@@ -77,10 +90,10 @@ class LayerObjects:
 
 @dataclass
 class QueuedLoad:
-    objs: LayerObjects
+    layers: list[LayerObjects]  # the batch (int8: one layer)
     done: object  # device event (None on CPU, where the copy is done on return)
-    sums: torch.Tensor  # per segment (raw: fold with ``copy``) or per object (int8)
-    copy: LayerCopy | None
+    sums: torch.Tensor  # raw: [layers, segments, 2] (fold with ``plan``); int8: [objects, 2]
+    plan: RowPlan | None
 
 
 @dataclass
@@ -115,6 +128,14 @@ class DevicePath:
             if storage.data_ptr() not in words:
                 words[storage.data_ptr()] = storage_words(layout.tensor)
         self.words = {name: words[lay.tensor.untyped_storage().data_ptr()] for name, lay in layouts.items()}
+        # A batch's layers read one plan: it holds their page shape (the plan at origin 0),
+        # each layer adds where its cache starts, in words from the lowest cache storage.
+        self.shapes = {name: replace(plan, origin=0) for name, plan in self.plans.items()}
+        ptrs = {name: self.words[name].data_ptr() for name in self.plans}
+        low = min(ptrs, key=ptrs.get, default=None)
+        self.base_words = self.words[low] if low is not None else None
+        self.bases = {name: (ptrs[name] - ptrs[low]) // WORD + self.plans[name].origin // WORD
+                      for name in self.plans}
         self.load_stream = self.dev.stream()
         self.stage_stream = self.dev.stream()  # loads' DMAs, ahead of the load stream's kernels
         self.save_stream = self.dev.stream()
@@ -140,102 +161,121 @@ class DevicePath:
             self._arena = None
 
     # -- loads --------------------------------------------------------------------
-    def queue_load(self, arena: torch.Tensor, objs: LayerObjects) -> QueuedLoad:
-        """Queue one layer's copy from the arena into the cache (DMA on the stage stream,
-        kernel on the load stream); the forward may use the layer once its stream waits
-        on the returned ``done`` event."""
+    def batches(self, layers: list[LayerObjects]) -> list[list[LayerObjects]]:
+        """A group's layers (model order) in the batches they load in: consecutive raw
+        layers of one page shape and one step plan, until a batch holds ``BATCH_BYTES``;
+        int8 layers alone."""
+        out: list[list[LayerObjects]] = []
+        held = 0
+        for objs in layers:
+            last = out[-1][0] if out else None
+            if (last is not None and held < BATCH_BYTES and objs.name not in self.int8
+                    and last.name not in self.int8 and self.shapes[objs.name] == self.shapes[last.name]
+                    and objs.plan() is last.plan()):
+                out[-1].append(objs)
+            else:
+                out.append([objs])
+                held = 0
+            held += int(np.sum(objs.sizes))
+        return out
+
+    def queue_batch(self, arena: torch.Tensor, batch: list[LayerObjects]) -> QueuedLoad:
+        """Queue a batch's copy from the arena into the caches (DMAs on the stage stream,
+        the kernel on the load stream); the forward may use its layers once its stream
+        waits on the returned ``done`` event."""
         with self.dev.use(self.load_stream):
-            copy, sums = self._load_layer(arena, objs)
+            if batch[0].name in self.int8:
+                plan, sums = self._load_int8(arena, batch[0])
+            else:
+                plan, sums = self._load_raw(arena, batch)
             done = self.dev.record(self.load_stream)
             if self._slot is not None:
                 self._slot[1] = done  # the slot's next DMA waits for this kernel
                 self._slot = None
-            return QueuedLoad(objs, done, sums, copy)
+            return QueuedLoad(batch, done, sums, plan)
+
+    def queue_load(self, arena: torch.Tensor, objs: LayerObjects) -> QueuedLoad:
+        """``queue_batch`` of one layer."""
+        return self.queue_batch(arena, [objs])
 
     def check_load(self, q: QueuedLoad, verify: bool) -> list[int]:
-        """Wait for a queued load; the indexes of objects whose word checksum does not
-        match their header. Their blocks must be reported as failed loads (vLLM then
-        recomputes them and drops the step's output for their requests), so a bad object
-        costs a recompute, never a wrong token."""
-        if q.done is not None:
-            q.done.synchronize()
-        if not verify or q.objs.stored is None:
-            return []
-        got = np.asarray(_folded(q.sums, q.copy, len(q.objs.offsets)))
-        stored = np.asarray(q.objs.stored, dtype=np.int64)
-        return np.flatnonzero((stored >= 0) & (stored != got)).tolist()
+        """``check_loads`` of one queued single-layer load."""
+        return self.check_loads([q], verify)[0][0]
 
-    def check_loads(self, qs: list[QueuedLoad], verify: bool) -> list[list[int]]:
-        """``check_load`` for a step's queued layers at once: layers whose copies share one
-        page plan (a group's layers, normally) are folded together in one numpy pass."""
+    def check_loads(self, qs: list[QueuedLoad], verify: bool) -> list[list[list[int]]]:
+        """Wait for a step's queued loads; per load, per layer, the indexes of objects whose
+        word checksum does not match their header. Their blocks must be reported as failed
+        loads (vLLM then recomputes them and drops the step's output for their requests), so
+        a bad object costs a recompute, never a wrong token. Loads alike (sharing a plan)
+        come back to the host in one copy and are folded in one numpy pass."""
         for q in qs:
             if q.done is not None:
                 q.done.synchronize()
-        out: list[list[int]] = [[] for _ in qs]
+        out = [[[] for _ in q.layers] for q in qs]
         if not verify:
             return out
-        got = self._sums_many([q for q in qs if q.objs.stored is not None])
-        for i, q in enumerate(qs):
-            if q.objs.stored is not None:
-                stored = np.asarray(q.objs.stored, dtype=np.int64)
-                out[i] = np.flatnonzero((stored >= 0) & (stored != got[id(q)])).tolist()
+        got = fold_alike([(q.sums, q.plan, len(q.layers[0].offsets)) for q in qs])
+        for q, per_layer, sums in zip(qs, out, got):
+            for r, objs in enumerate(q.layers):
+                if objs.stored is not None:
+                    stored = np.asarray(objs.stored, dtype=np.int64)
+                    per_layer[r] = np.flatnonzero((stored >= 0) & (stored != sums[r])).tolist()
         return out
 
-    def _sums_many(self, qs: list) -> dict[int, np.ndarray]:
-        """Per queued copy (by id): its objects' folded checksums, from one copy back to
-        the host per group of layers alike (sharing a page plan, or int8 with per-object
-        sums of one object count)."""
-        alike: dict[tuple, list] = {}
-        for q in qs:
-            key = (id(q.copy.obj_of_seg),) if q.copy is not None else ("int8", len(q.objs.offsets))
-            alike.setdefault(key, []).append(q)
-        out = {}
-        for group in alike.values():
-            first = group[0]
-            sums = host_array(torch.stack([q.sums for q in group]))
-            if first.copy is not None:
-                got = object_sums_many(first.copy, sums, len(first.objs.offsets))
-            else:
-                u = sums.astype(np.int64).view(np.uint64)
-                got = fold_array(u[..., 0], u[..., 1])
-            for row, q in enumerate(group):
-                out[id(q)] = got[row]
-        return out
+    def _load_raw(self, arena: torch.Tensor, batch: list[LayerObjects]) -> tuple[RowPlan, torch.Tensor]:
+        """Queue a batch of raw layers. On an accelerator the copy engine moves their parts
+        into device memory, then one kernel scatters every layer's pages into its cache and
+        sums them; kernels never wait on the link, so compute keeps every SM. Elsewhere torch
+        ops copy the staged pages a layer at a time."""
+        plan = batch[0].plan().rows(self.shapes[batch[0].name])
+        parts = np.stack([np.asarray(o.offsets, dtype=np.int64) for o in batch])
+        sizes = np.stack([np.asarray(o.sizes, dtype=np.int64) for o in batch])
+        src, starts = self._stage(arena, parts, sizes)
+        obj_base = (starts + HEADER_BYTES) // WORD  # [layer, object] payload start, words
+        n = len(plan.obj_of_seg)
+        if self.dev.device.type != "cuda":
+            sums = torch.empty((len(batch), n, 2), dtype=torch.int64, device=self.dev.device)
+            for r, objs in enumerate(batch):
+                origin = self.plans[objs.name].origin // WORD
+                src_words = obj_base[r][plan.obj_of_seg] + plan.payload_word
+                dst_words = np.where(plan.cache_word >= 0, plan.cache_word + origin, -1)
+                kernels.copy_segments_sum_torch(src.view(torch.int64), self.words[objs.name], src_words,
+                                                dst_words, sums[r], plan.seg_words)
+            return plan, sums
+        if plan.device_segs is None:
+            plan.device_segs = self._upload(np.stack([plan.obj_of_seg, plan.payload_word, plan.cache_word]))
+        layer_base = np.asarray([self.bases[o.name] for o in batch], dtype=np.int64)
+        bases = self._upload(np.concatenate([obj_base.reshape(-1), layer_base]))  # one upload per batch
+        sums = torch.zeros((len(batch), n, 2), dtype=torch.int64, device=self.dev.device)
+        k = obj_base.size
+        kernels.load_rows(src.view(torch.int64), self.base_words, plan.device_segs,
+                          bases[:k].view(obj_base.shape), bases[k:], sums, plan.seg_words)
+        return plan, sums
 
-    def _load_layer(self, arena: torch.Tensor, objs: LayerObjects):
-        """Queue one layer's copy. On an accelerator the copy engine moves the objects into
-        device memory (one DMA per run of adjacent slots), then a kernel scatters their
-        pages into the cache and sums them; kernels never wait on the link, so compute
-        keeps every SM. On CPU the pages are copied straight from the arena."""
-        if objs.name in self.int8:
-            return self._load_int8(arena, objs)
-        plan = self.plans[objs.name]
-        if not self.dev.is_accelerator:
-            copy = objs.plan().layer(plan, np.asarray(objs.offsets, dtype=np.int64) + HEADER_BYTES, load=True)
-            return copy, run_copy(copy, arena.view(torch.int64), self.words[objs.name], self.dev.device)
-        staging, staged = self._stage(arena, objs)
-        copy = objs.plan().layer(plan, np.asarray(staged, dtype=np.int64) + HEADER_BYTES, load=True)
-        return copy, run_copy(copy, staging.view(torch.int64), self.words[objs.name], self.dev.device)
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
+        """int64 values on the device, through pinned memory (a copy from pageable memory
+        may block the host)."""
+        host = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
+        host.numpy()[...] = values
+        return host.to(self.dev.device, non_blocking=True)
 
-    def _stage(self, arena: torch.Tensor, objs: LayerObjects) -> tuple[torch.Tensor, np.ndarray]:
-        """The layer's parts in device memory, back to back, and where each one starts
-        there. A layer's parts of equally spaced chunk objects (one request's chunks are
-        usually saved together, so they sit side by side) move as one 2D DMA per run. On
-        CPU: the arena itself."""
+    def _stage(self, arena: torch.Tensor, parts: np.ndarray,
+               sizes: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """A batch's parts ([layer, object] arena offsets and sizes) in device memory, and
+        where each one starts there (``segments.stage_layout``): one 2D DMA per run of
+        equally spaced spans. On CPU: the arena itself."""
         if not self.dev.is_accelerator:
-            return arena, np.asarray(objs.offsets, dtype=np.int64)
-        offs = np.asarray(objs.offsets, dtype=np.int64)
-        sizes = np.asarray(objs.sizes, dtype=np.int64)
-        slot = -(-sizes // WORD) * WORD
-        staged = np.cumsum(slot) - slot
+            return arena, parts
+        spans, widths, staged, starts = stage_layout(parts, sizes)
+        slot = -(-widths // WORD) * WORD
         staging = self._ring_slot(int(slot.sum()))
         with self.dev.use(self.stage_stream):
-            for first, count, pitch in _runs(offs, sizes):
-                width = int(slot[first])
-                at = int(staged[first])
-                self.dev.copy_2d(staging, at, width, arena, int(offs[first]), pitch, width, count)
+            for g in range(len(spans)):
+                for first, count, pitch in dma_runs(spans[g], widths[g]):
+                    w, at = int(slot[g, first]), int(staged[g, first])
+                    self.dev.copy_2d(staging, at, w, arena, int(spans[g, first]), pitch, w, count)
             self.dev.wait(self.dev.record(self.stage_stream), self.load_stream)
-        return staging, staged
+        return staging, starts
 
     def _ring_slot(self, nbytes: int) -> torch.Tensor:
         """The next of two staging buffers, once the kernel that last read it is done:
@@ -255,9 +295,9 @@ class DevicePath:
     def _load_int8(self, arena: torch.Tensor, objs: LayerObjects):
         """Dequantize a layer's int8 objects into the cache (one kernel, int8_path.py);
         the payloads' word sums come back per object."""
-        src, starts = self._stage(arena, objs)
-        starts = np.asarray(starts, dtype=np.int64)
         sizes = np.asarray(objs.sizes, dtype=np.int64)
+        src, starts = self._stage(arena, np.asarray(objs.offsets, dtype=np.int64)[None], sizes[None])
+        starts = starts[0]
         layout = self.layouts[objs.name]
         per_block = self.int8[objs.name].payload_bytes(layout, 1)
         planner = objs.plan()
@@ -290,7 +330,7 @@ class DevicePath:
             staging = torch.empty(int(slot.sum()), dtype=torch.uint8, device=self.dev.device)
             copy = objs.plan().layer(plan, starts + HEADER_BYTES, load=False)
             sums = run_copy(copy, self.words[objs.name], staging.view(torch.int64), self.dev.device)
-            for first, count, pitch in _runs(offs, sizes):
+            for first, count, pitch in dma_runs(offs, sizes):
                 # Headers ride along in the 2D copy and are rewritten at the commit.
                 width = int(slot[first])
                 self.dev.copy_2d(arena, int(offs[first]), pitch, staging, int(starts[first]), width, width,
@@ -311,7 +351,7 @@ class DevicePath:
             sums[torch.from_numpy(idx).to(self.dev.device)] = got
             width = rows.shape[1]
             flat = rows.view(-1)
-            for first, count, pitch in _runs(offsets[idx] + HEADER_BYTES, sizes[idx] - HEADER_BYTES):
+            for first, count, pitch in dma_runs(offsets[idx] + HEADER_BYTES, sizes[idx] - HEADER_BYTES):
                 at = int(offsets[idx[first]]) + HEADER_BYTES
                 self.dev.copy_2d(arena, at, pitch, flat, first * width, width, width, count)
             keep.append(rows)
@@ -322,38 +362,11 @@ class DevicePath:
         for q in qs:
             if q.done is not None:
                 q.done.synchronize()
-        got = self._sums_many(qs)
-        return [got[id(q)] for q in qs]
+        got = fold_alike([(q.sums, q.copy, len(q.objs.offsets)) for q in qs])
+        return [g[0] for g in got]
 
     def finish_save(self, q: QueuedSave) -> list[int]:
         """Wait for a queued save; returns each object's folded word checksum."""
         if q.done is not None:
             q.done.synchronize()
         return _folded(q.sums, q.copy, len(q.objs.offsets))
-
-
-def _runs(offs: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, int]]:
-    """(first index, count, pitch) of runs of parts of one size at one distance apart,
-    in order: each run is one 2D copy. Greedy over the blocks of equal consecutive
-    distances (found with numpy), so the loop runs once per run, not once per part."""
-    n = len(offs)
-    if n < 2:
-        return [(0, n, int(sizes[0]))] if n else []
-    step = np.diff(offs)
-    ok = (sizes[1:] == sizes[:-1]) & (step >= -(-sizes[:-1] // WORD) * WORD)  # same size, no overlap
-    change = np.ones(n - 1, dtype=bool)
-    change[1:] = (step[1:] != step[:-1]) | ~ok[1:] | ~ok[:-1]
-    edges = np.flatnonzero(change).tolist() + [n - 1]
-    out, i = [], 0
-    for a, b in zip(edges[:-1], edges[1:]):  # steps a..b-1 are equal (and usable if ok[a])
-        if i > a:
-            a = i  # offset a is already in the previous run
-        if not ok[a] if a < n - 1 else True:
-            continue
-        if b - a >= 1 and a >= i:
-            if a > i:
-                out += [(k, 1, int(sizes[k])) for k in range(i, a)]
-            out.append((a, b - a + 1, int(step[a])))
-            i = b + 1
-    out += [(k, 1, int(sizes[k])) for k in range(i, n)]
-    return out

@@ -7,6 +7,10 @@ way (checksum.py). On CUDA one Triton kernel copies every segment of the layer i
 device memory (the objects were staged by one DMA per run, device_path.py); elsewhere
 the same plan runs as torch copies.
 
+A load moves several layers of one page shape in one launch (``load_rows``): every layer
+reads the same segment plan, shifted by where its cache starts and where each object's
+part of that layer sits in staging, so the host plans a step once, not once per layer.
+
 int8 layers load with one kernel too (``int8_load``): its programs either dequantize one
 page's K or V rows into the cache or sum one stretch of an object's payload words, so a
 layer's int8 objects land in one launch whatever their number.
@@ -39,6 +43,24 @@ if triton is not None:
         tl.store(dst + d + idx, w, mask=mask & (d >= 0))  # d < 0: read for the checksum only
         tl.atomic_add(sums + 2 * seg, tl.sum(w, axis=0))
         tl.atomic_add(sums + 2 * seg + 1, tl.sum(w * (idx + 1).to(tl.int64), axis=0))
+
+
+    @triton.jit
+    def _load_rows_kernel(src, dst, seg_obj, seg_payload, seg_cache, obj_base, layer_base, sums, n_segs,
+                          n_objs, seg_words, BLOCK: tl.constexpr):
+        seg = tl.program_id(0)
+        part = tl.program_id(1)
+        row = tl.program_id(2)  # a layer of the batch
+        s = tl.load(obj_base + row * n_objs + tl.load(seg_obj + seg)) + tl.load(seg_payload + seg)
+        c = tl.load(seg_cache + seg)
+        d = tl.load(layer_base + row) + c
+        idx = part * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < seg_words
+        w = tl.load(src + s + idx, mask=mask, other=0)
+        tl.store(dst + d + idx, w, mask=mask & (c >= 0))  # c < 0: read for the checksum only
+        k = row * n_segs + seg
+        tl.atomic_add(sums + 2 * k, tl.sum(w, axis=0))
+        tl.atomic_add(sums + 2 * k + 1, tl.sum(w * (idx + 1).to(tl.int64), axis=0))
 
 
     @triton.jit
@@ -98,6 +120,24 @@ def copy_segments_sum(src, dst, src_offs: torch.Tensor, dst_offs: torch.Tensor, 
     grid = (n, triton.cdiv(seg_words, block))
     _copy_segments_sum_kernel[grid](src, dst, src_offs, dst_offs, sums, seg_words, BLOCK=block,
                                     num_warps=num_warps)
+
+
+def load_rows(src: torch.Tensor, dst: torch.Tensor, segs: torch.Tensor, obj_base: torch.Tensor,
+              layer_base: torch.Tensor, sums: torch.Tensor, seg_words: int, block: int = 1024,
+              num_warps: int = 4) -> None:
+    """Copy the segments of ``len(layer_base)`` layers from staged objects into their caches
+    and sum them (``sums`` [layers, segments, 2], zeroed). ``segs`` [3, segments]: each
+    segment's object, word offset in that object's payload, and word offset in a layer's
+    cache (-1: read for the checksum only); ``obj_base`` [layers, objects]: where each
+    object's payload of that layer starts in ``src``; ``layer_base`` [layers]: where the
+    layer's cache starts, in words from ``dst`` (the layers' caches may be separate
+    allocations: addresses are flat on the device, so one base pointer reaches them all)."""
+    n, rows = segs.shape[1], layer_base.numel()
+    if n == 0 or rows == 0:
+        return
+    grid = (n, triton.cdiv(seg_words, block), rows)
+    _load_rows_kernel[grid](src, dst, segs[0], segs[1], segs[2], obj_base, layer_base, sums, n,
+                            obj_base.shape[1], seg_words, BLOCK=block, num_warps=num_warps)
 
 
 def copy_segments_sum_torch(src: torch.Tensor, dst: torch.Tensor, src_offs, dst_offs,

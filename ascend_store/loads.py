@@ -4,8 +4,9 @@ One ``lease`` of the step's chunk objects (one per chunk and KV cache group, eve
 inside: worker_context.py), one numpy pass over every layer part's header (key, layer,
 layout, codec, size), then the pages move layer by layer. On accelerators every layer's
 copy is queued on a side stream from ``start``, before the forward, and ``wait`` makes
-the compute stream wait on that layer's event: the host hands nothing over while the
-forward runs (a handing-over thread would take the GIL from it). On CPU a background
+the compute stream wait on the event of that layer's batch (device_path.py moves a
+group's layers in a few batches, one plan per step): the host hands nothing over while
+the forward runs (a handing-over thread would take the GIL from it). On CPU a background
 thread copies layer by layer, and ``wait`` waits for its layer. Missing or corrupt
 objects mark their chunk failed; ``errors`` reports their blocks and vLLM recomputes
 them. No failure in a load ever propagates into the forward.
@@ -37,6 +38,7 @@ from ascend_store.transfer import (
     check_headers,
     decode_object,
     fault_messages,
+    walk_parts,
 )
 from ascend_store.worker_context import GroupStep, WorkerContext
 
@@ -61,10 +63,12 @@ class LoadJob:
         self.loads = loads
         self.unplaced = {j for j, ld in enumerate(loads) if 0 in ld.block_ids}  # has vLLM's null block
         self.events = {name: threading.Event() for name in layers}  # layer landed or queued
-        self.device_events: dict[str, object] = {}  # layer -> its copy's event (accelerators)
+        self.device_events: dict[str, object] = {}  # layer -> its batch's event (accelerators)
+        self.awaited: object = None  # the event the compute stream waited on last
         self.queued: list[tuple[QueuedLoad, Admitted]] = []
-        self.todo: list[tuple[LayerObjects, Admitted]] = []  # accelerators: layer copies, model order
-        self.position: dict[str, int] = {}  # layer -> index in todo
+        self.todo: list[tuple[list[LayerObjects], Admitted]] = []  # accelerators: batches, model order
+        self.rank: dict[str, int] = {}  # layer -> its index in model order
+        self.first: list[int] = []  # per batch in todo: the rank of its first layer
         self.next = 0  # todo[:next] are queued
         self.arena: torch.Tensor | None = None
         self.leased: list[str] = []
@@ -100,8 +104,11 @@ class Loader:
         if ev is not None and not ev.wait(self.ctx.cfg.load_timeout_s):
             self.abandon(job, f"layer {layer_name} not loaded within {self.ctx.cfg.load_timeout_s}s")
         if self.ctx.device_path is not None:  # the compute stream waits; the host does not
-            self._queue_upto(job, job.position.get(layer_name, -1) + 1 + self._window())
-            self.ctx.device_path.dev.wait(job.device_events.get(layer_name))
+            self._queue_upto(job, job.rank.get(layer_name, -1) + 1 + self._window())
+            done = job.device_events.get(layer_name)
+            if done is not job.awaited:  # a batch's later layers: the stream waits already
+                self.ctx.device_path.dev.wait(done)
+                job.awaited = done
 
     def finish(self, job: LoadJob) -> None:
         """Every layer of ``job`` landed, or is awaited by the compute stream."""
@@ -110,8 +117,8 @@ class Loader:
         if self.ctx.device_path is not None:
             if self.ctx.cfg.use_layerwise and job.next < len(job.todo):
                 # A layer the forward never waited for read its blocks before they landed.
-                self.abandon(job, f"layer {job.todo[job.next][0].name} was never waited for")
-            self._queue_upto(job, len(job.todo))
+                self.abandon(job, f"layer {job.todo[job.next][0][0].name} was never waited for")
+            self._queue_upto(job, len(job.rank))
             for event in job.device_events.values():
                 self.ctx.device_path.dev.wait(event)
 
@@ -178,7 +185,7 @@ class Loader:
             parts, part_sizes = fmt.parts(offs, st.blocks), fmt.part_sizes(st.blocks)
             whole = sizes == fmt.size(st.blocks)
         else:
-            parts, part_sizes = _walk_parts(host, offs, sizes, len(fmt.layers))
+            parts, part_sizes = walk_parts(host, offs, sizes, len(fmt.layers))
             whole = np.ones(len(offs), dtype=bool)
         limit = fmt.per_block[:, None] * st.blocks[None, :]
         fps = fmt.fingerprints(st.keys, ctx.layouts, ctx.codecs[fmt.layers[0]].name)
@@ -284,29 +291,29 @@ class Loader:
 
     def _queue_device_load(self, job: LoadJob) -> None:
         """The accelerator path, before the forward: one lease and one header pass for
-        the step, then one batched copy per layer on the load stream. Checksums are
+        the step, then a few batched copies per group on the load stream. Checksums are
         compared at the end of the step (``_check_device_load``)."""
         ctx = self.ctx
         t0 = time.perf_counter()
         try:
             arena, admitted = self._lease(job)
             job.arena = arena
+            job.rank = {name: r for r, name in enumerate(ctx.order)}
             for adm in admitted:
                 if not len(adm.entries):
                     continue
                 blocks = [job.loads[j].block_ids for j in adm.entries.tolist()]
                 skips = [job.loads[j].skip for j in adm.entries.tolist()]
                 stored = np.where(adm.headers["flags"] & FLAG_WSUM, adm.headers["crc"].astype(np.int64), -1)
-                for i, name in enumerate(adm.step.fmt.layers):
-                    row = adm.obj
-                    job.todo.append((LayerObjects(name, adm.parts[i, row], adm.sizes[i, row], blocks, skips,
-                                                  [], stored[i, row], adm.planner), adm))
-            rank = {name: r for r, name in enumerate(ctx.order)}
-            job.todo.sort(key=lambda t: rank[t[0].name])
-            job.position = {objs.name: k for k, (objs, _) in enumerate(job.todo)}
-            # Layerwise: the first layers now, each later one as the forward reaches the
-            # layer ``load_window`` before it (``wait``), so their host work overlaps the forward.
-            self._queue_upto(job, self._window() if ctx.cfg.use_layerwise else len(job.todo))
+                o, names = adm.obj, adm.step.fmt.layers
+                layers = [LayerObjects(name, adm.parts[i, o], adm.sizes[i, o], blocks, skips, [],
+                                       stored[i, o], adm.planner) for i, name in enumerate(names)]
+                job.todo += [(batch, adm) for batch in ctx.device_path.batches(layers)]
+            job.todo.sort(key=lambda t: job.rank[t[0][0].name])
+            job.first = [job.rank[batch[0].name] for batch, _ in job.todo]
+            # Layerwise: the batches of the first layers now, each later one as the forward
+            # reaches the layer ``load_window`` before it (``wait``).
+            self._queue_upto(job, self._window() if ctx.cfg.use_layerwise else len(job.rank))
         except Exception as exc:
             self._load_failed(job, exc)
         finally:
@@ -318,20 +325,20 @@ class Loader:
         return self.ctx.cfg.load_window or len(self.ctx.order)
 
     def _queue_upto(self, job: LoadJob, stop: int) -> None:
-        """Queue the copies of ``job.todo[next:stop]`` on the load stream."""
-        stop = min(stop, len(job.todo))
-        if job.next >= stop:
+        """Queue the copies of the batches whose first layer comes before rank ``stop``."""
+        if job.next >= len(job.todo) or job.first[job.next] >= stop:
             return
         t0 = time.perf_counter()
         try:
-            while job.next < stop:
-                objs, adm = job.todo[job.next]
+            while job.next < len(job.todo) and job.first[job.next] < stop:
+                batch, adm = job.todo[job.next]
                 job.next += 1
                 if job.cancelled:
                     continue
-                q = self.ctx.device_path.queue_load(job.arena, objs)
+                q = self.ctx.device_path.queue_batch(job.arena, batch)
                 job.queued.append((q, adm))
-                job.device_events[objs.name] = q.done
+                for objs in batch:
+                    job.device_events[objs.name] = q.done
         except Exception as exc:
             job.next = len(job.todo)
             self._load_failed(job, exc)
@@ -342,12 +349,13 @@ class Loader:
         leases off the step's path (the copies no longer read the arena)."""
         queued = [q for q, _ in job.queued]
         checked = self.ctx.device_path.check_loads(queued, self.ctx.cfg.verify_checksum)
-        for (q, adm), bad in zip(job.queued, checked):
-            for e in bad:
-                j = int(adm.entries[e])
-                if j not in job.failed:
-                    self._rejected(job, j, CorruptObject(
-                        f"{adm.step.keys[adm.obj[e]]} layer {q.objs.name}: checksum mismatch"))
+        for (q, adm), per_layer in zip(job.queued, checked):
+            for objs, bad in zip(q.layers, per_layer):
+                for e in bad:
+                    j = int(adm.entries[e])
+                    if j not in job.failed:
+                        self._rejected(job, j, CorruptObject(
+                            f"{adm.step.keys[adm.obj[e]]} layer {objs.name}: checksum mismatch"))
         self._thread.submit(self._release, job)
 
     def _load_failed(self, job: LoadJob, exc: Exception) -> None:
@@ -375,24 +383,3 @@ class Loader:
         """Every object of load ``j``'s chunk on this rank (one per shard it holds)."""
         ld = job.loads[j]
         return [f.prefix + ld.chunk_hash for f in self.ctx.groups.values() if f.source == ld.group]
-
-
-def _walk_parts(host: np.ndarray, offs: np.ndarray, sizes: np.ndarray,
-                layers: int) -> tuple[np.ndarray, np.ndarray]:
-    """[layer, object] offsets and sizes of the parts of variable-size objects, packed
-    back to back (each rounded up to 8 bytes), found by reading each part's length. A
-    length that leads outside its object gives the rest of the parts size 0 (refused)."""
-    parts = np.zeros((layers, len(offs)), dtype=np.int64)
-    out = np.zeros((layers, len(offs)), dtype=np.int64)
-    for k, (off, size) in enumerate(zip(offs.tolist(), sizes.tolist())):
-        at, end = off, off + size
-        for i in range(layers):
-            if at + HEADER_BYTES > end or end > host.size:
-                break
-            n = int(host[at:at + HEADER_BYTES].view(HEADER_RECORD)["payload"][0])
-            part = HEADER_BYTES + n
-            if at + part > end:
-                break
-            parts[i, k], out[i, k] = at, part
-            at += -(-part // 8) * 8
-    return parts, out

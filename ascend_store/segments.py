@@ -89,6 +89,20 @@ class LayerCopy:
 
 
 @dataclass
+class RowPlan:
+    """A step's load plan for every layer of one page shape (``PagePlan`` at origin 0):
+    per segment its object, its word offset in that object's payload and in a layer's
+    cache (-1: a skipped page). A layer adds where its cache starts, an object where its
+    part of that layer starts: the plan is built once per step, whatever the layers."""
+
+    obj_of_seg: np.ndarray
+    payload_word: np.ndarray
+    cache_word: np.ndarray
+    seg_words: int
+    device_segs: object = None  # [3, segments] on the device, once uploaded
+
+
+@dataclass
 class StepPages:
     """Every page a step moves for one KV cache group, in object order: the object
     (index into the step's admitted objects) and page within its payload of each, and
@@ -143,6 +157,13 @@ class CopyPlanner:
             cache = np.where(p.block[:, None] >= 0, cache, -1).reshape(-1)
             got = self._cache[plan] = (payload, cache, np.repeat(p.obj, per_page), seg_words)
         return got
+
+    def rows(self, shape: PagePlan) -> RowPlan:
+        """The step's ``RowPlan`` for layers whose page plan is ``shape`` moved to origin 0."""
+        def build():
+            payload, cache, obj_of_seg, seg_words = self._cache_side(shape)
+            return RowPlan(obj_of_seg, payload, cache, seg_words)
+        return self.cached(("rows", shape), build)
 
     def cached(self, key: tuple, build):
         """A per-step plan other than a ``LayerCopy`` (int8 layers), built once per key."""
@@ -231,3 +252,73 @@ def run_copy(copy: LayerCopy, src, dst, device: torch.device) -> torch.Tensor:
 def host_array(t: torch.Tensor) -> np.ndarray:
     """A finished copy's sums (or any tensor) as a numpy array in host memory."""
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
+def stage_layout(parts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Where a load batch's parts ([layer, object] arena offsets and sizes) go in device
+    staging: when every object holds the batch's layers back to back (chunk objects do),
+    one span per object covers them all, else one span per part. Returns the spans'
+    arena offsets and widths ([span row, object]), their staging offsets (back to back,
+    each padded to whole words) and each part's staging offset ([layer, object])."""
+    if len(parts) > 1 and np.array_equal(parts[1:], parts[:-1] + sizes[:-1]):
+        spans, widths = parts[:1], parts[-1:] + sizes[-1:] - parts[:1]
+        of_row = np.zeros(len(parts), dtype=np.int64)
+    else:
+        spans, widths, of_row = parts, sizes, np.arange(len(parts))
+    slot = (-(-widths // WORD) * WORD).reshape(-1)
+    staged = (np.cumsum(slot) - slot).reshape(widths.shape)
+    return spans, widths, staged, staged[of_row] + (parts - spans[of_row])
+
+
+def fold_alike(items: list[tuple[torch.Tensor, object, int]]) -> list[np.ndarray]:
+    """Per-object folded checksums of several copies, as [layers, objects] per item. An
+    item is (sums, plan, objects): raw sums per segment ([segments, 2], or [layers,
+    segments, 2] for a load batch) with the plan that combines them (``obj_of_seg``,
+    ``payload_word``), or int8 sums per object ([objects, 2]) and None. Items alike (one
+    plan, or int8 of one object count) come back to the host in one copy and fold in one
+    numpy pass."""
+    alike: dict[tuple, list[int]] = {}
+    for i, (_, plan, n) in enumerate(items):
+        alike.setdefault((id(plan.obj_of_seg),) if plan is not None else ("int8", n), []).append(i)
+    out: list[np.ndarray] = [np.zeros((0, 0), dtype=np.int64)] * len(items)
+    for members in alike.values():
+        _, plan, n = items[members[0]]
+        if plan is not None:
+            rows = [items[i][0].reshape(-1, *items[i][0].shape[-2:]) for i in members]
+            got = object_sums_many(plan, host_array(torch.cat(rows)), n)
+        else:
+            rows = [items[i][0][None] for i in members]
+            u = host_array(torch.cat(rows)).astype(np.int64).view(np.uint64)
+            got = fold_array(u[..., 0], u[..., 1])
+        at = 0
+        for i, r in zip(members, rows):
+            out[i] = got[at:at + len(r)]
+            at += len(r)
+    return out
+
+
+def dma_runs(offs: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first index, count, pitch) of runs of parts of one size at one distance apart,
+    in order: each run is one 2D copy. Greedy over the blocks of equal consecutive
+    distances (found with numpy), so the loop runs once per run, not once per part."""
+    n = len(offs)
+    if n < 2:
+        return [(0, n, int(sizes[0]))] if n else []
+    step = np.diff(offs)
+    ok = (sizes[1:] == sizes[:-1]) & (step >= -(-sizes[:-1] // WORD) * WORD)  # same size, no overlap
+    change = np.ones(n - 1, dtype=bool)
+    change[1:] = (step[1:] != step[:-1]) | ~ok[1:] | ~ok[:-1]
+    edges = np.flatnonzero(change).tolist() + [n - 1]
+    out, i = [], 0
+    for a, b in zip(edges[:-1], edges[1:]):  # steps a..b-1 are equal (and usable if ok[a])
+        if i > a:
+            a = i  # offset a is already in the previous run
+        if not ok[a] if a < n - 1 else True:
+            continue
+        if b - a >= 1 and a >= i:
+            if a > i:
+                out += [(k, 1, int(sizes[k])) for k in range(i, a)]
+            out.append((a, b - a + 1, int(step[a])))
+            i = b + 1
+    out += [(k, 1, int(sizes[k])) for k in range(i, n)]
+    return out

@@ -291,3 +291,24 @@ def decode_object(obj: torch.Tensor, n: int, layout: LayerLayout, block_ids: lis
         raise
     except Exception as exc:  # a payload the codec cannot decode is corrupt, not a crash
         raise CorruptObject(f"{key}: undecodable payload ({exc})") from None
+
+
+def walk_parts(host: np.ndarray, offs: np.ndarray, sizes: np.ndarray,
+                layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """[layer, object] offsets and sizes of the parts of variable-size objects, packed
+    back to back (each rounded up to 8 bytes), found by reading each part's length. A
+    length that leads outside its object gives the rest of the parts size 0 (refused)."""
+    parts = np.zeros((layers, len(offs)), dtype=np.int64)
+    out = np.zeros((layers, len(offs)), dtype=np.int64)
+    for k, (off, size) in enumerate(zip(offs.tolist(), sizes.tolist())):
+        at, end = off, off + size
+        for i in range(layers):
+            if at + HEADER_BYTES > end or end > host.size:
+                break
+            n = int(host[at:at + HEADER_BYTES].view(HEADER_RECORD)["payload"][0])
+            part = HEADER_BYTES + n
+            if at + part > end:
+                break
+            parts[i, k], out[i, k] = at, part
+            at += -(-part // 8) * 8
+    return parts, out

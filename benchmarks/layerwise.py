@@ -137,18 +137,19 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
         return x
 
     def load(events):
-        """Queue every layer's copy (no host waits), as the worker does before the forward."""
+        """Queue every batch's copy (no host waits), as the worker does before the forward."""
         queued = []
-        for objs in layers:
-            q = path.queue_load(arena, objs)
-            events[objs.name] = q.done
+        for batch in path.batches(layers):
+            q = path.queue_batch(arena, batch)
+            for objs in batch:
+                events[objs.name] = q.done
             queued.append(q)
         return queued
 
     def check(queued):
-        for q in queued:
-            if path.check_load(q, True):
-                raise AssertionError(f"{q.objs.name}: objects failed their checksum")
+        for q, per_layer in zip(queued, path.check_loads(queued, True)):
+            if any(per_layer):
+                raise AssertionError(f"{[o.name for o in q.layers]}: objects failed their checksum")
 
     def timed(fn) -> float:
         sync(dev)

@@ -48,7 +48,7 @@ def _load_all(path, arena, objs, layouts, ready=lambda name, event: None):
         q = path.queue_load(arena, o)
         ready(o.name, q.done)
         queued.append(q)
-    return [(q.objs.name, path.check_load(q, True)) for q in queued]
+    return [(q.layers[0].name, path.check_load(q, True)) for q in queued]
 
 
 def _objects(layouts, blocks_per_obj=3):
@@ -121,19 +121,80 @@ def test_a_flipped_byte_fails_only_its_object(device):
     path.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batch_of_layers_loads_from_chunk_objects_with_one_plan(device):
+    """Chunk objects hold their layers' parts back to back: a group's layers (separate
+    cache tensors, one page shape) load as one batch, one span per object and one kernel,
+    and a flipped byte fails its object in its layer only; a load that skips the first
+    page of an object (the device held it) moves the rest."""
+    import numpy as np
+
+    from ascend_store.segments import CopyPlanner, StepPages
+
+    torch.manual_seed(2)
+    names = [f"L{i}" for i in range(4)]
+    layouts = {n: LayerLayout(torch.randn(2, NB, T, H, D, dtype=torch.bfloat16, device=device), 1)
+               for n in names}
+    part = object_bytes(layouts["L0"], 3, RAW)
+    stride = (part * len(names) + 511) // 512 * 512  # a chunk object: every layer's part
+    blocks = [[1, 4, 7], [9, 2, 0], [3, 5, 6]]
+    planner = CopyPlanner(StepPages.of(blocks, [0, 0, 0]))
+    objs = [LayerObjects(n, [c * stride + i * part for c in range(3)], [part] * 3, blocks, [0, 0, 0],
+                         [f"k/{c}" for c in range(3)], planner=planner) for i, n in enumerate(names)]
+    path = DevicePath(torch.device(device), layouts)
+    arena = path.arena(1, mmap.mmap(-1, 3 * stride))
+    for o in objs:
+        for key, off, wsum in zip(o.keys, o.offsets, path.finish_save(path.save_layer(arena, o, None))):
+            seal(arena[off:off + part], part - HEADER_BYTES, layouts[o.name], key, RAW, True, wsum=wsum)
+            o.stored = None
+    sealed = arena.numpy().copy()
+
+    empty = {n: LayerLayout(torch.zeros_like(lay.tensor), 1) for n, lay in layouts.items()}
+    loader = DevicePath(torch.device(device), empty)
+    arena2 = loader.arena(1, mmap.mmap(-1, 3 * stride))
+    arena2.numpy()[:] = sealed
+    arena2[objs[2].offsets[1] + HEADER_BYTES + 300] ^= 0x01  # layer L2's part of object 1
+    for o in objs:
+        faults, h = header_faults(arena2.numpy(), o.offsets, o.sizes, o.keys, empty[o.name], 3, True, RAW,
+                                  wsum_later=True)
+        assert faults == [None] * 3
+        o.stored = np.where(h["flags"] & FLAG_WSUM, h["crc"].astype(np.int64), -1)
+    batches = loader.batches(objs)
+    assert [[o.name for o in b] for b in batches] == [names]
+    q = loader.queue_batch(arena2, batches[0])
+    assert loader.check_loads([q], True) == [[[], [], [1], []]]
+    for o in objs:
+        for c, bl in enumerate(blocks):
+            for b in bl:
+                if b and not (o.name == "L2" and c == 1):
+                    assert torch.equal(empty[o.name].page(b), layouts[o.name].page(b))
+
+    # The first page of object 0 is already on the device: only pages 1.. move, to new blocks.
+    skipped = CopyPlanner(StepPages.of([[10, 11]], [1]))
+    part_load = [LayerObjects(o.name, o.offsets[:1], o.sizes[:1], [[10, 11]], [1], o.keys[:1], o.stored[:1],
+                              planner=skipped) for o in objs]
+    q = loader.queue_batch(arena2, part_load)
+    assert loader.check_loads([q], True) == [[[], [], [], []]]
+    for o in objs:
+        for src, dst in ((4, 10), (7, 11)):
+            assert torch.equal(empty[o.name].page(dst), layouts[o.name].page(src))
+    path.close()
+    loader.close()
+
+
 def test_equally_spaced_parts_move_as_one_2d_copy_each_run():
     """A layer's parts of chunk objects saved side by side are one 2D DMA; a size or a
     distance that changes starts another run, and every run has one pitch."""
     import numpy as np
 
-    from ascend_store.device_path import _runs
+    from ascend_store.segments import dma_runs
 
     offs = np.array([1000, 5000, 9000, 13000, 20000, 20512, 21024, 30000], dtype=np.int64)
     sizes = np.array([512] * 7 + [256], dtype=np.int64)
-    assert _runs(offs, sizes) == [(0, 4, 4000), (4, 3, 512), (7, 1, 256)]
-    assert _runs(offs[:1], sizes[:1]) == [(0, 1, 512)]
+    assert dma_runs(offs, sizes) == [(0, 4, 4000), (4, 3, 512), (7, 1, 256)]
+    assert dma_runs(offs[:1], sizes[:1]) == [(0, 1, 512)]
     overlapping = np.array([0, 100], dtype=np.int64), np.array([512, 512], dtype=np.int64)
-    assert _runs(*overlapping) == [(0, 1, 512), (1, 1, 512)]
+    assert dma_runs(*overlapping) == [(0, 1, 512), (1, 1, 512)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

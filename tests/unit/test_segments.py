@@ -120,3 +120,31 @@ def test_a_damaged_segment_copied_object_is_rejected():
     arena[HEADER_BYTES + 33] ^= 0x10
     with pytest.raises(CorruptObject, match="checksum mismatch"):
         read_object(arena, layout, [0, 1], 0, "k", 2, True, RAW)
+
+
+@pytest.mark.parametrize("gap", [0, 24])
+def test_stage_layout_puts_every_part_where_its_batch_reads_it(gap):
+    """A batch's parts, staged by the spans ``stage_layout`` returns, sit at the offsets it
+    returns for them: one span per object when the layers' parts are back to back (chunk
+    objects, gap 0), one per part otherwise. Parts of a shorter tail object included."""
+    from ascend_store.segments import stage_layout
+
+    rng = np.random.default_rng(3)
+    arena = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    per_block = np.array([96, 96, 96])  # three layers, 96 payload bytes a block
+    blocks = np.array([4, 4, 2])  # the last object is a prompt's tail
+    sizes = HEADER_BYTES + per_block[:, None] * blocks[None, :]
+    parts = np.zeros_like(sizes)
+    for o, start in enumerate([512, 4096, 9000]):
+        parts[:, o] = start + np.concatenate([[0], np.cumsum(sizes[:-1, o] + gap)])
+    spans, widths, staged, starts = stage_layout(parts, sizes)
+    assert spans.shape[0] == (1 if gap == 0 else 3)
+    staging = np.zeros(int((-(-widths // 8) * 8).sum()), dtype=np.uint8)
+    for g in range(spans.shape[0]):
+        for o in range(spans.shape[1]):
+            a, w = spans[g, o], widths[g, o]
+            staging[staged[g, o]:staged[g, o] + w] = arena[a:a + w]
+    for layer in range(3):
+        for o in range(3):
+            got = staging[starts[layer, o]:starts[layer, o] + sizes[layer, o]]
+            assert np.array_equal(got, arena[parts[layer, o]:parts[layer, o] + sizes[layer, o]])
