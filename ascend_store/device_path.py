@@ -235,12 +235,9 @@ class DevicePath:
         n = len(plan.obj_of_seg)
         if self.dev.device.type != "cuda":
             sums = torch.empty((len(batch), n, 2), dtype=torch.int64, device=self.dev.device)
-            for r, objs in enumerate(batch):
-                origin = self.plans[objs.name].origin // WORD
-                src_words = obj_base[r][plan.obj_of_seg] + plan.payload_word
-                dst_words = np.where(plan.cache_word >= 0, plan.cache_word + origin, -1)
-                kernels.copy_segments_sum_torch(src.view(torch.int64), self.words[objs.name], src_words,
-                                                dst_words, sums[r], plan.seg_words)
+            kernels.load_rows_torch(src.view(torch.int64), [self.words[o.name] for o in batch],
+                                    (plan.obj_of_seg, plan.payload_word, plan.cache_word), obj_base,
+                                    [self.plans[o.name].origin // WORD for o in batch], sums, plan.seg_words)
             return plan, sums
         if plan.device_segs is None:
             plan.device_segs = self._upload(np.stack([plan.obj_of_seg, plan.payload_word, plan.cache_word]))

@@ -18,6 +18,7 @@ layer's int8 objects land in one launch whatever their number.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 try:
@@ -166,6 +167,17 @@ def int8_load(staging: torch.Tensor, view: torch.Tensor, plan, sums: torch.Tenso
     _int8_load_kernel[grid](staging.view(torch.int64), staging.view(torch.int8), staging.view(torch.float16),
                             view, *plan.tensors, sums, n_dequant, plan.block_words, *view.stride(),
                             T=t, H=h, D=d, TT=plan.tt, BHD=triton.next_power_of_2(h * d), SEGW=plan.segw)
+
+
+def load_rows_torch(src: torch.Tensor, dsts: list[torch.Tensor], segs: tuple[np.ndarray, ...],
+                    obj_base: np.ndarray, layer_base: list[int], sums: torch.Tensor, seg_words: int) -> None:
+    """``load_rows`` with torch ops, a layer at a time: layer r's cache is the word tensor
+    ``dsts[r]``, starting ``layer_base[r]`` words in; the index arrays stay in numpy."""
+    seg_obj, seg_payload, seg_cache = segs
+    for r, dst in enumerate(dsts):
+        src_offs = obj_base[r][seg_obj] + seg_payload
+        copy_segments_sum_torch(src, dst, src_offs, np.where(seg_cache >= 0, seg_cache + layer_base[r], -1),
+                                sums[r], seg_words)
 
 
 def _ints(offsets) -> list[int]:

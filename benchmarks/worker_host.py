@@ -115,10 +115,12 @@ def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, ti
     objects = chunks * layers
     out = {"geometry": geometry, "tokens": tokens, "copy_path": copy_path, "objects": objects,
            "save": [], "load": []}
-    real_copy = kernels.copy_segments_sum_torch
+    real_copy, real_rows = kernels.copy_segments_sum_torch, getattr(kernels, "load_rows_torch", None)
     for r in range(repeat):
         if skip_device and r == 1 and copy_path == "batched":
             kernels.copy_segments_sum_torch = _no_copy
+            if hasattr(kernels, "load_rows_torch"):  # loads in batches of layers (older checkouts: none)
+                kernels.load_rows_torch = _no_rows
         # Fresh objects every round and every case (the pool keeps what was saved first).
         hashes = [f"{next(ROUNDS):08x}{c:024x}" for c in range(chunks)]
         save = StepMetadata(saves=[ChunkSave("req", 0, h, src[c * per_chunk:(c + 1) * per_chunk])
@@ -164,6 +166,8 @@ def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, ti
                 raise SystemExit(f"{name}: loaded blocks differ from the saved ones")
         worker.wait_for_save(None)
     kernels.copy_segments_sum_torch = real_copy
+    if real_rows is not None:
+        kernels.load_rows_torch = real_rows
     worker.shutdown()
     # Baseline: the same bytes in one torch copy, per direction.
     nbytes = sum(c[:, src].numel() * c.element_size() for c in caches.values())
@@ -180,6 +184,11 @@ def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, ti
 def _no_copy(src, dst, src_offs, dst_offs, sums, seg_words) -> None:
     """--device-work skip: the copy-and-sum's stand-in after the first (checked) round;
     its sums are zero for saves and loads alike, so the loads' checks pass."""
+    sums.zero_()
+
+
+def _no_rows(src, dsts, segs, obj_base, layer_base, sums, seg_words) -> None:
+    """The same stand-in for a batch of layers' load (kernels.load_rows_torch)."""
     sums.zero_()
 
 
