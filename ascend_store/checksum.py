@@ -2,7 +2,7 @@
 
 Fletcher-like over a payload's 8-byte words w_i: s1 = sum(w_i), s2 = sum((i + 1) * w_i),
 mod 2**64. It is cheap on any device, the copy kernel accumulates it per segment on the way
-through, and per-segment sums combine into the object's (segments.object_sums). A flipped
+through, and per-segment sums combine into the object's (segments.object_sums_many). A flipped
 bit changes s1; reordered words change s2; the header keeps a 32-bit mix of both. A leaf
 module: transfer.py checks it on the host, segments.py and device_path.py on the way.
 """

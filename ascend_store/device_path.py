@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from ascend_store import int8_path, kernels
-from ascend_store.checksum import fold_sums
 from ascend_store.device import Device
 from ascend_store.segments import (
     WORD,
@@ -48,8 +47,6 @@ from ascend_store.segments import (
     StepPages,
     dma_runs,
     fold_alike,
-    host_array,
-    object_sums,
     page_plan,
     run_copy,
     stage_layout,
@@ -62,6 +59,21 @@ from ascend_store.transfer import HEADER_BYTES, LayerLayout
 # batch costs the host a DMA, a kernel launch and an event. A longer layer goes alone, so
 # the forward can start on the first layer while the rest are still on the link.
 BATCH_BYTES = 32 * 2**20
+# A step computing this many tokens has a forward long enough (~0.5 ms a layer for a 7B
+# model on an H200) to queue each batch from the wait of the layer before it.
+LAZY_QUEUE_TOKENS = 512
+
+
+def queue_window(new_tokens: int, layers: int, load_window: int = 0) -> int:
+    """How many layers' copies are queued ahead of the forward: ``load_window``; when 0,
+    every layer for a step that computes few tokens (its forward hides nothing: the link
+    starts on everything at once), else one (each batch costs the host ~0.3 ms, so
+    queueing them all first delays the forward's first kernel by that much per layer,
+    measured in benchmarks/layerwise.py; the forward's own layers keep the host ahead of
+    the link instead)."""
+    if load_window:
+        return load_window
+    return 1 if new_tokens >= LAZY_QUEUE_TOKENS else layers
 
 
 @dataclass
@@ -103,11 +115,6 @@ class QueuedSave:
     sums: torch.Tensor
     copy: LayerCopy | None
     staging: object = None  # device buffers kept alive until the copy is done
-
-
-def _folded(sums: torch.Tensor, copy: LayerCopy | None, n: int) -> list[int]:
-    """Per-object checksums from a copy's per-segment sums, or from per-object sums."""
-    return object_sums(copy, host_array(sums), n) if copy is not None else fold_sums(host_array(sums))
 
 
 class DevicePath:
@@ -214,7 +221,8 @@ class DevicePath:
         out = [[[] for _ in q.layers] for q in qs]
         if not verify:
             return out
-        got = fold_alike([(q.sums, q.plan, len(q.layers[0].offsets)) for q in qs])
+        with self.dev.use(self.load_stream):  # on the compute stream, the copy would wait for the forward
+            got = fold_alike([(q.sums, q.plan, len(q.layers[0].offsets)) for q in qs])
         for q, per_layer, sums in zip(qs, out, got):
             for r, objs in enumerate(q.layers):
                 if objs.stored is not None:
@@ -359,11 +367,10 @@ class DevicePath:
         for q in qs:
             if q.done is not None:
                 q.done.synchronize()
-        got = fold_alike([(q.sums, q.copy, len(q.objs.offsets)) for q in qs])
+        with self.dev.use(self.save_stream):  # not behind the compute stream's queued work
+            got = fold_alike([(q.sums, q.copy, len(q.objs.offsets)) for q in qs])
         return [g[0] for g in got]
 
     def finish_save(self, q: QueuedSave) -> list[int]:
         """Wait for a queued save; returns each object's folded word checksum."""
-        if q.done is not None:
-            q.done.synchronize()
-        return _folded(q.sums, q.copy, len(q.objs.offsets))
+        return self.finish_saves([q])[0].tolist()

@@ -25,7 +25,7 @@ import torch
 
 from ascend_store import host_loads
 from ascend_store.backends import BackendUnavailable, Status
-from ascend_store.device_path import LayerObjects, QueuedLoad
+from ascend_store.device_path import LayerObjects, QueuedLoad, queue_window
 from ascend_store.metadata import ChunkLoad
 from ascend_store.segments import CopyPlanner, StepPages
 from ascend_store.transfer import (
@@ -65,6 +65,7 @@ class LoadJob:
         self.events = {name: threading.Event() for name in layers}  # layer landed or queued
         self.device_events: dict[str, object] = {}  # layer -> its batch's event (accelerators)
         self.awaited: object = None  # the event the compute stream waited on last
+        self.window = 0  # layers queued ahead of the forward (accelerators)
         self.queued: list[tuple[QueuedLoad, Admitted]] = []
         self.todo: list[tuple[list[LayerObjects], Admitted]] = []  # accelerators: batches, model order
         self.rank: dict[str, int] = {}  # layer -> its index in model order
@@ -86,8 +87,10 @@ class Loader:
         self._failed_chunks: set[str] = set()
         self._scratch = host_loads.Scratch(share)  # the load thread's buffer and pace (async_loads.py)
 
-    def start(self, loads: list[ChunkLoad]) -> LoadJob:
+    def start(self, loads: list[ChunkLoad], new_tokens: int = 0) -> LoadJob:
+        """``new_tokens``: tokens the step computes (it sets how far copies are queued ahead)."""
         job = self.job = LoadJob(loads, self.ctx.order)
+        job.window = queue_window(new_tokens, len(self.ctx.order), self.ctx.cfg.load_window)
         if self.ctx.device_path is not None:
             self._queue_device_load(job)
         else:
@@ -104,7 +107,7 @@ class Loader:
         if ev is not None and not ev.wait(self.ctx.cfg.load_timeout_s):
             self.abandon(job, f"layer {layer_name} not loaded within {self.ctx.cfg.load_timeout_s}s")
         if self.ctx.device_path is not None:  # the compute stream waits; the host does not
-            self._queue_upto(job, job.rank.get(layer_name, -1) + 1 + self._window())
+            self._queue_upto(job, job.rank.get(layer_name, -1) + 1 + job.window)
             done = job.device_events.get(layer_name)
             if done is not job.awaited:  # a batch's later layers: the stream waits already
                 self.ctx.device_path.dev.wait(done)
@@ -311,18 +314,15 @@ class Loader:
                 job.todo += [(batch, adm) for batch in ctx.device_path.batches(layers)]
             job.todo.sort(key=lambda t: job.rank[t[0][0].name])
             job.first = [job.rank[batch[0].name] for batch, _ in job.todo]
-            # Layerwise: the batches of the first layers now, each later one as the forward
-            # reaches the layer ``load_window`` before it (``wait``).
-            self._queue_upto(job, self._window() if ctx.cfg.use_layerwise else len(job.rank))
+            # Layerwise: the batches of the first ``job.window`` layers now, each later one
+            # as the forward reaches the layer ``job.window`` before it (``wait``).
+            self._queue_upto(job, job.window if ctx.cfg.use_layerwise else len(job.rank))
         except Exception as exc:
             self._load_failed(job, exc)
         finally:
             for ev in job.events.values():
                 ev.set()
             ctx.counters["load_seconds"] += time.perf_counter() - t0
-
-    def _window(self) -> int:
-        return self.ctx.cfg.load_window or len(self.ctx.order)
 
     def _queue_upto(self, job: LoadJob, stop: int) -> None:
         """Queue the copies of the batches whose first layer comes before rank ``stop``."""

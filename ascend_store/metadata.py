@@ -51,6 +51,7 @@ class StepMetadata(KVConnectorMetadata):
     # A prompt completes in this step on a producer: commit its saves before the step
     # returns, so the reply cannot overtake them.
     commit_now: bool = False
+    new_tokens: int = 0  # tokens the step computes (how far loads are queued ahead: loads.py)
 
 
 @dataclass

@@ -274,7 +274,7 @@ class PoolScheduler:
 
     # -- per step -------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
-        meta = StepMetadata()
+        meta = StepMetadata(new_tokens=scheduler_output.total_num_scheduled_tokens)
         for req_id in self.compaction.planned(scheduler_output) & self._reqs.keys():
             self._reqs[req_id].compacted = True
         for rid in self._async_ready:

@@ -255,7 +255,7 @@ class PoolWorker:
             self.async_loads.start(meta.async_loads)
         if not meta.loads:
             return
-        job = self.loader.start(meta.loads)
+        job = self.loader.start(meta.loads, meta.new_tokens)
         if not self.cfg.use_layerwise:
             self.loader.finish(job)
             self._run_state_copies()

@@ -205,19 +205,10 @@ def combine_sums(s1: np.ndarray, t: np.ndarray, payload_word: np.ndarray, first:
         return fold_array(np.add.reduceat(s1, first, axis=-1), np.add.reduceat(s2, first, axis=-1))
 
 
-def object_sums(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> list[int]:
-    """Folded checksums per object from the kernel's per-segment (s1, t) pairs (an
-    object's segments are consecutive in the plan)."""
-    if n_objects == 0:
-        return []
-    sums = seg_sums.astype(np.int64).view(np.uint64).reshape(-1, 2)
-    first = np.searchsorted(copy.obj_of_seg, np.arange(n_objects))
-    return combine_sums(sums[:, 0], sums[:, 1], copy.payload_word, first).tolist()
-
-
 def object_sums_many(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> np.ndarray:
-    """``object_sums`` of several layers' copies that share ``copy``'s plan at once:
-    ``seg_sums`` is [layers, segments, 2]; returns [layers, objects] folded sums."""
+    """Folded checksums per object of several layers' copies that share ``copy``'s plan,
+    from the kernel's per-segment (s1, t) pairs (an object's segments are consecutive in
+    the plan): ``seg_sums`` is [layers, segments, 2]; returns [layers, objects]."""
     layers = seg_sums.shape[0]
     if n_objects == 0:
         return np.zeros((layers, 0), dtype=np.int64)

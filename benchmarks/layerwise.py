@@ -5,9 +5,10 @@ A synthetic forward with each layer's real work for Llama-3-8B and Qwen2.5-7B ge
 from the paged cache, the gated MLP; bf16), fed by the connector's own load pipeline
 (``ascend_store.device_path.DevicePath``: the pool's chunk objects, every layer of a
 chunk in one object, side by side in the pinned arena as one request's save leaves them;
-per layer, one 2D DMA of its parts and one scatter-and-sum kernel on a side stream, every
-layer queued before the forward as the worker does, from one copy plan per step; the
-compute stream waits on each layer's event before that layer runs; checksums compared
+in batches of layers, one 2D DMA per batch and one scatter-and-sum kernel on side
+streams, from one copy plan per step, queued as the worker queues them (loads.py: all
+first for a short forward, else each batch from the wait of the layer before it); the
+compute stream waits on each layer's batch before that layer runs; checksums compared
 at the end). For each case, in one run:
 
   ceiling    one pinned host->device copy of the same bytes (the link's limit)
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ascend_store.codecs import get_codec  # noqa: E402
-from ascend_store.device_path import DevicePath, LayerObjects  # noqa: E402
+from ascend_store.device_path import DevicePath, LayerObjects, queue_window  # noqa: E402
 from ascend_store.segments import CopyPlanner, StepPages  # noqa: E402
 from ascend_store.transfer import HEADER_BYTES, LayerLayout, object_bytes, seal  # noqa: E402
 
@@ -128,23 +129,34 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
     model = Model(dev)
     x0 = torch.randn(new, HIDDEN, device=dev, dtype=torch.bfloat16)
 
-    def forward(events=None):
+    def forward(before=None):
         x = x0
-        for li, name in enumerate(names):
-            if events is not None:
-                path.dev.wait(events[name])
+        for li in range(len(names)):
+            if before is not None:
+                before(li)  # the worker's wait_for_layer_load
             x = model.layer(x, caches[li], blocks)
         return x
 
-    def load(events):
-        """Queue every batch's copy (no host waits), as the worker does before the forward."""
-        queued = []
-        for batch in path.batches(layers):
-            q = path.queue_batch(arena, batch)
-            for objs in batch:
-                events[objs.name] = q.done
-            queued.append(q)
-        return queued
+    def loader(window: int):
+        """The worker's queueing (loads.py): the batches of the first ``window`` layers
+        now, each later one from the wait of the layer ``window`` before it; returns the
+        queued loads and the wait to call before each layer."""
+        batches = path.batches(layers)
+        first = [names.index(b[0].name) for b in batches]
+        queued, events = [], {}
+
+        def upto(stop):
+            while len(queued) < len(batches) and first[len(queued)] < stop:
+                batch = batches[len(queued)]
+                queued.append(path.queue_batch(arena, batch))
+                events.update((o.name, queued[-1].done) for o in batch)
+
+        def wait(li):
+            upto(li + 1 + window)
+            path.dev.wait(events[names[li]])
+
+        upto(window)
+        return queued, wait
 
     def check(queued):
         for q, per_layer in zip(queued, path.check_loads(queued, True)):
@@ -168,16 +180,14 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
             saver.finish_save(q)
 
     def load_only():
-        events = {}
-        queued = load(events)
-        for n in names:
-            path.dev.wait(events[n])
+        queued, wait = loader(LAYERS)
+        for li in range(LAYERS):
+            wait(li)
         check(queued)
 
     def overlap():
-        events = {}
-        queued = load(events)
-        forward(events)
+        queued, wait = loader(queue_window(new, LAYERS))
+        forward(wait)
         check(queued)
 
     pinned = torch.empty(kv_bytes // LAYERS, dtype=torch.uint8)

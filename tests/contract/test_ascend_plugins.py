@@ -124,7 +124,8 @@ def _step(new=(), cached=(), resumed=(), tokens=None, blocks=None):
         scheduled_cached_reqs=types.SimpleNamespace(
             req_ids=list(cached), resumed_req_ids=set(resumed), num_computed_tokens=[0] * len(cached),
             new_block_ids=[(blocks[r],) if r in blocks else None for r in cached]),
-        num_scheduled_tokens=tokens or {}, finished_req_ids=set(), preempted_req_ids=set())
+        num_scheduled_tokens=tokens or {}, total_num_scheduled_tokens=sum((tokens or {}).values()),
+        finished_req_ids=set(), preempted_req_ids=set())
 
 
 def test_triattention_plan_marks_a_request_the_scheduler_never_publishes_again(plugins):

@@ -14,7 +14,7 @@ import torch
 
 from ascend_store.checksum import wsum_host
 from ascend_store.codecs import get_codec
-from ascend_store.segments import object_sums, page_plan, plan_objects, run_copy, storage_words
+from ascend_store.segments import object_sums_many, page_plan, plan_objects, run_copy, storage_words
 from ascend_store.transfer import (
     HEADER_BYTES,
     CorruptObject,
@@ -64,7 +64,7 @@ def test_save_by_segments_equals_the_host_path_and_carries_its_checksum(name):
     arena = torch.zeros(2 * size + 64, dtype=torch.uint8)
     copy = plan_objects(page_plan(layout), [(64, blocks, 0)], load=False)
     sums = run_copy(copy, storage_words(cache), storage_words(arena), arena.device)
-    (wsum,) = object_sums(copy, sums.numpy(), 1)
+    (wsum,) = object_sums_many(copy, sums.numpy()[None], 1)[0].tolist()
     obj = arena[64:64 + size]
     seal(obj, size - HEADER_BYTES, layout, "k", RAW, checksum=True, wsum=wsum)
     host = torch.zeros(size, dtype=torch.uint8)
@@ -89,7 +89,8 @@ def test_load_by_segments_reads_skipped_pages_for_the_checksum_only():
     assert not target.select(block_dim, 0).any()  # page 0 was not written anywhere
     assert torch.equal(target.select(block_dim, 6), cache.select(block_dim, 1))
     assert torch.equal(target.select(block_dim, 7), cache.select(block_dim, 2))
-    assert object_sums(copy, sums.numpy(), 1) == [wsum_host(arena[HEADER_BYTES:].numpy())]
+    want = wsum_host(arena[HEADER_BYTES:].numpy())
+    assert object_sums_many(copy, sums.numpy()[None], 1)[0].tolist() == [want]
 
 
 def test_word_checksum_catches_every_single_bit_flip_and_reordered_words():
@@ -115,7 +116,7 @@ def test_a_damaged_segment_copied_object_is_rejected():
     arena = torch.zeros(size, dtype=torch.uint8)
     copy = plan_objects(page_plan(layout), [(0, [3, 4], 0)], load=False)
     sums = run_copy(copy, storage_words(cache), storage_words(arena), arena.device)
-    (wsum,) = object_sums(copy, sums.numpy(), 1)
+    (wsum,) = object_sums_many(copy, sums.numpy()[None], 1)[0].tolist()
     seal(arena, size - HEADER_BYTES, layout, "k", RAW, checksum=True, wsum=wsum)
     arena[HEADER_BYTES + 33] ^= 0x10
     with pytest.raises(CorruptObject, match="checksum mismatch"):

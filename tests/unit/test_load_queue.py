@@ -1,0 +1,63 @@
+"""How far ahead of the forward the worker queues a load's batches (loads.py,
+``device_path.queue_window``), on the batched copy path with a real local pool.
+
+A full hit (a step computing few tokens) queues every batch from ``start_load_kv``: its
+forward hides nothing. A step computing many tokens queues the first layer's batch there
+and each next one from the wait of the layer before it, so the forward's first kernel is
+not held back by the host work of every batch. Either way every block lands. On CPU the
+copies are torch ops and no event exists, so this shows the order of the host's calls,
+not the overlap on a device (benchmarks/layerwise.py measures that).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from ascend_store import device_path
+from ascend_store.config import StoreConfig
+from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata
+from ascend_store.pool_worker import PoolWorker
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+from worker_host import engine_parts  # noqa: E402
+
+LAYERS, BLOCK = 4, 16
+CHUNK_BLOCKS = 256 // BLOCK
+
+
+@pytest.mark.parametrize("new_tokens, at_start", [(1, LAYERS), (2048, 1)])
+def test_a_long_step_queues_each_batch_from_the_wait_before_it(pool, monkeypatch, new_tokens, at_start):
+    monkeypatch.setattr(device_path, "BATCH_BYTES", 1)  # every layer a batch of its own
+    vllm_config, kv_cache_config, caches = engine_parts(LAYERS, 2, 64, BLOCK, 4 * CHUNK_BLOCKS + 1)
+    cfg = StoreConfig.parse({"copy_path": "batched", "local": {"socket": pool.socket, "start": "never"}})
+    worker = PoolWorker(vllm_config, kv_cache_config, cfg, "kv_both")
+    worker.register_kv_caches(caches)
+    src = list(range(1, 2 * CHUNK_BLOCKS + 1))
+    dst = list(range(2 * CHUNK_BLOCKS + 1, 4 * CHUNK_BLOCKS + 1))
+    chunks = lambda ids: [ids[c * CHUNK_BLOCKS:(c + 1) * CHUNK_BLOCKS] for c in range(2)]  # noqa: E731
+    save = StepMetadata(saves=[ChunkSave("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(src))])
+    for name in worker.order:
+        worker.save_kv_layer(name, save)
+    worker.wait_for_save(save)
+    worker.handle_preemptions(None)  # the deferred drain: objects committed
+
+    load = StepMetadata(loads=[ChunkLoad("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(dst))],
+                        new_tokens=new_tokens)
+    worker.handle_preemptions(load)
+    worker.start_load_kv(load)
+    job = worker.loader.job
+    assert len(job.todo) == LAYERS  # one batch per layer
+    queued = [job.next]
+    for name in worker.order:
+        worker.wait_for_layer_load(name)
+        queued.append(job.next)
+    assert worker.get_block_ids_with_load_errors() == set()
+    # Queued at the start, then after each layer's wait (the forward reads layer i then).
+    assert queued == ([LAYERS] * (LAYERS + 1) if at_start == LAYERS else [1, 2, 3, 4, 4])
+    for name, cache in caches.items():
+        assert torch.equal(cache[:, dst], cache[:, src]), name
+    worker.shutdown()
