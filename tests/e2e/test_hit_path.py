@@ -75,6 +75,30 @@ def test_device_hit_ending_inside_an_object(tmp_path, model, pool, copy_path):
         assert_same_outputs(got, want)
 
 
+def test_hybrid_hit_under_a_long_prefill_on_the_batched_path(tmp_path):
+    """(~90 s) Qwen3-Next, batched copy path: a fresh engine's prompt has one chunk in the
+    pool and 600 new tokens computed in the same step (>= 512: each batch of layers is
+    queued from the wait of the layer before it, loads.py; attention and state layers
+    are batches of their own). Every layer must be waited for and every block land: no
+    failed block, no timeout, the same tokens and logprobs as without the pool."""
+    model = build_hybrid("qwen3_next")
+    engine = dict(dtype="bfloat16", prefix_caching=True, block_size=None, stubs=True)
+    rng = random.Random(600)
+    prefix = [rng.randrange(2, 500) for _ in range(2 * HYBRID_BLOCK)]
+    prompt = [prefix + [rng.randrange(2, 500) for _ in range(600)]]
+    baseline = run_engine(tmp_path, model, [prompt], **engine)["rounds"][0]
+    pool = Pool(str(tmp_path / "pool" / "pool.sock")).start()
+    try:
+        run_engine(tmp_path, model, [[prefix + [7]]], _kv(pool, copy_path="batched"), **engine)  # one chunk
+        r = run_engine(tmp_path, model, [prompt], _kv(pool, copy_path="batched"), **engine)
+    finally:
+        pool.stop()
+    assert r["copy_path"] == "batched"
+    assert r["rounds"][0][0]["num_cached_tokens"] == 2 * HYBRID_BLOCK
+    assert r["worker"]["failed_blocks"] == 0 and r["worker"].get("load_timeouts", 0) == 0
+    assert_same_outputs(r["rounds"][0], baseline)
+
+
 def test_hybrid_default_chunk_size(tmp_path):
     """Qwen3-Next with two 128-token blocks per chunk object (attention and state groups
     alike), prefix caching on: a fresh engine hits the first chunk of prompts 0 and 1."""
