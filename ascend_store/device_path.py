@@ -13,8 +13,9 @@ and slow the forward it is meant to hide behind (measured: docs/benchmarks.md). 
 compute stream never waits on the host:
 
 - load: ``queue_batch`` queues a batch's copy and returns its event, with no host wait;
-  the worker queues every batch before the forward and ``wait_for_layer_load`` makes the
-  compute stream wait on the event of that layer's batch. ``check_loads`` compares the
+  the worker queues the batches before the forward or as it goes (``queue_window``) and
+  ``wait_for_layer_load`` makes the compute stream wait on the event of that layer's
+  batch. ``check_loads`` compares the
   sums once the copies are done (at the end of the step), and a mismatch becomes a failed
   load. The DMAs run on a stage stream into two staging buffers used in turn, the
   kernels on the load stream: the copy engine fills one buffer while a kernel drains the
@@ -234,7 +235,7 @@ class DevicePath:
         """Queue a batch of raw layers. On an accelerator the copy engine moves their parts
         into device memory, then one kernel scatters every layer's pages into its cache and
         sums them; kernels never wait on the link, so compute keeps every SM. Elsewhere torch
-        ops copy the staged pages a layer at a time."""
+        ops copy the pages a layer at a time (on CPU straight from the arena)."""
         plan = batch[0].plan().rows(self.shapes[batch[0].name])
         parts = np.stack([np.asarray(o.offsets, dtype=np.int64) for o in batch])
         sizes = np.stack([np.asarray(o.sizes, dtype=np.int64) for o in batch])

@@ -2,11 +2,12 @@
 
 One ``lease`` of the step's chunk objects (one per chunk and KV cache group, every layer
 inside: worker_context.py), one numpy pass over every layer part's header (key, layer,
-layout, codec, size), then the pages move layer by layer. On accelerators every layer's
-copy is queued on a side stream from ``start``, before the forward, and ``wait`` makes
-the compute stream wait on the event of that layer's batch (device_path.py moves a
-group's layers in a few batches, one plan per step): the host hands nothing over while
-the forward runs (a handing-over thread would take the GIL from it). On CPU a background
+layout, codec, size), then the pages move layer by layer. On accelerators the copies
+are queued on side streams from the forward's own thread, in batches of layers
+(device_path.py: one plan per step): all from ``start`` for a short step, else each
+batch from the ``wait`` of the layer before it; ``wait`` makes the compute stream wait on
+the event of that layer's batch, and no thread hands anything over while the forward
+runs (it would take the GIL from it). On CPU a background
 thread copies layer by layer, and ``wait`` waits for its layer. Missing or corrupt
 objects mark their chunk failed; ``errors`` reports their blocks and vLLM recomputes
 them. No failure in a load ever propagates into the forward.
