@@ -52,6 +52,7 @@ from ascend_store.segments import (
     run_copy,
     stage_layout,
     storage_words,
+    to_device,
 )
 from ascend_store.transfer import HEADER_BYTES, LayerLayout
 
@@ -202,14 +203,6 @@ class DevicePath:
                 self._slot = None
             return QueuedLoad(batch, done, sums, plan)
 
-    def queue_load(self, arena: torch.Tensor, objs: LayerObjects) -> QueuedLoad:
-        """``queue_batch`` of one layer."""
-        return self.queue_batch(arena, [objs])
-
-    def check_load(self, q: QueuedLoad, verify: bool) -> list[int]:
-        """``check_loads`` of one queued single-layer load."""
-        return self.check_loads([q], verify)[0][0]
-
     def check_loads(self, qs: list[QueuedLoad], verify: bool) -> list[list[list[int]]]:
         """Wait for a step's queued loads; per load, per layer, the indexes of objects whose
         word checksum does not match their header. Their blocks must be reported as failed
@@ -249,21 +242,15 @@ class DevicePath:
                                     [self.plans[o.name].origin // WORD for o in batch], sums, plan.seg_words)
             return plan, sums
         if plan.device_segs is None:
-            plan.device_segs = self._upload(np.stack([plan.obj_of_seg, plan.payload_word, plan.cache_word]))
+            plan.device_segs = to_device(np.stack([plan.obj_of_seg, plan.payload_word, plan.cache_word]),
+                                         self.dev.device)
         layer_base = np.asarray([self.bases[o.name] for o in batch], dtype=np.int64)
-        bases = self._upload(np.concatenate([obj_base.reshape(-1), layer_base]))  # one upload per batch
+        bases = to_device(np.concatenate([obj_base.reshape(-1), layer_base]), self.dev.device)  # per batch
         sums = torch.zeros((len(batch), n, 2), dtype=torch.int64, device=self.dev.device)
         k = obj_base.size
         kernels.load_rows(src.view(torch.int64), self.base_words, plan.device_segs,
                           bases[:k].view(obj_base.shape), bases[k:], sums, plan.seg_words)
         return plan, sums
-
-    def _upload(self, values: np.ndarray) -> torch.Tensor:
-        """int64 values on the device, through pinned memory (a copy from pageable memory
-        may block the host)."""
-        host = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
-        host.numpy()[...] = values
-        return host.to(self.dev.device, non_blocking=True)
 
     def _stage(self, arena: torch.Tensor, parts: np.ndarray,
                sizes: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:

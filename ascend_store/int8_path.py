@@ -21,7 +21,7 @@ import torch
 from ascend_store import kernels
 from ascend_store.checksum import word_sums
 from ascend_store.codecs import dequantize, quantize
-from ascend_store.segments import WORD, StepPages
+from ascend_store.segments import WORD, StepPages, to_device
 from ascend_store.transfer import HEADER_BYTES
 
 SEG_WORDS = 1024  # words summed per kernel program
@@ -85,7 +85,7 @@ def load_layer(staging: torch.Tensor, view: torch.Tensor, plan: Int8Plan) -> tor
     if dev.type == "cuda":
         if not plan.tensors:
             arrays = plan.arrays()
-            flat = torch.from_numpy(np.concatenate(arrays)).pin_memory().to(dev, non_blocking=True)
+            flat = to_device(np.concatenate(arrays), dev)
             plan.tensors = tuple(torch.tensor_split(flat, np.cumsum([len(a) for a in arrays[:-1]]).tolist()))
         kernels.int8_load(staging, view, plan, sums)
         return sums

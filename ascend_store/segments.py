@@ -231,13 +231,18 @@ def run_copy(copy: LayerCopy, src, dst, device: torch.device) -> torch.Tensor:
     if n == 0:
         return sums
     if copy.device_offsets is None:
-        # Pinned staging: a copy from pageable memory may block the host.
-        offs = torch.empty((2, n), dtype=torch.int64, pin_memory=True)
-        offs.numpy()[0], offs.numpy()[1] = copy.src, copy.dst
-        copy.device_offsets = offs.to(device, non_blocking=True)
+        copy.device_offsets = to_device(np.stack([copy.src, copy.dst]), device)
     offs = copy.device_offsets
     kernels.copy_segments_sum(src, dst, offs[0], offs[1], sums, copy.seg_words)
     return sums
+
+
+def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """int64 ``values`` on the device without blocking the host: through pinned memory (a
+    copy from pageable memory may block it), on the current stream."""
+    host = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
+    host.numpy()[...] = values
+    return host.to(device, non_blocking=True)
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:

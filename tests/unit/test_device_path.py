@@ -45,10 +45,10 @@ def _load_all(path, arena, objs, layouts, ready=lambda name, event: None):
                                   wsum_later=True)
         assert faults == [None] * len(o.offsets)
         o.stored = [int(c) if f & FLAG_WSUM else -1 for c, f in zip(h["crc"], h["flags"])]
-        q = path.queue_load(arena, o)
+        q = path.queue_batch(arena, [o])
         ready(o.name, q.done)
         queued.append(q)
-    return [(q.layers[0].name, path.check_load(q, True)) for q in queued]
+    return [(q.layers[0].name, bad) for q, (bad,) in zip(queued, path.check_loads(queued, True))]
 
 
 def _objects(layouts, blocks_per_obj=3):
@@ -240,8 +240,8 @@ def test_int8_layers_match_the_host_codec_both_ways(device):
                                   wsum_later=True)
         assert faults == [None, None]
         o.stored = h["crc"].astype("int64").tolist()
-        queued.append(loader.queue_load(arena, o))
-    assert [loader.check_load(q, True) for q in queued] == [[], []]
+        queued.append(loader.queue_batch(arena, [o]))
+    assert loader.check_loads(queued, True) == [[[]], [[]]]
     for name, o in objs.items():
         dst = LayerLayout(torch.zeros_like(host[name].tensor), host[name].block_dim, host[name].kv_dims)
         for key, off, blocks in zip(o.keys, o.offsets, o.blocks):
@@ -252,11 +252,11 @@ def test_int8_layers_match_the_host_codec_both_ways(device):
     # A partial load (the device cache held the chunk's first page): pages 1.. only.
     o = objs["a"]
     part = LayerObjects("a", o.offsets[:1], o.sizes[:1], [[10, 11]], [1], o.keys[:1], o.stored[:1])
-    assert loader.check_load(loader.queue_load(arena, part), True) == []
+    assert loader.check_loads([loader.queue_batch(arena, [part])], True) == [[[]]]
     for src, dst in ((4, 10), (7, 11)):
         assert torch.equal(empty["a"].page(dst), empty["a"].page(src))
 
     arena[objs["b"].offsets[0] + HEADER_BYTES + 77] ^= 0x10
-    assert loader.check_load(loader.queue_load(arena, objs["b"]), True) == [0]
+    assert loader.check_loads([loader.queue_batch(arena, [objs["b"]])], True) == [[[0]]]
     path.close()
     loader.close()
