@@ -116,6 +116,10 @@ class Device:
         ev.record(stream or self._mod.current_stream(self.device))
         return ev
 
+    def current(self):
+        """The current stream (None on CPU); a caller that waits often keeps it."""
+        return self._mod.current_stream(self.device) if self.is_accelerator else None
+
     def wait(self, event, stream=None) -> None:
         """Make ``stream`` (default: the compute stream) wait for ``event`` without blocking
         the host."""
@@ -177,26 +181,28 @@ class Device:
                 self._ascend().unregister(ptr)
 
     def copy_2d(self, dst: torch.Tensor, dst_start: int, dst_pitch: int, src: torch.Tensor, src_start: int,
-                src_pitch: int, width: int, rows: int) -> None:
+                src_pitch: int, width: int, rows: int, stream=None) -> None:
         """Queue a copy of ``rows`` rows of ``width`` bytes from ``src`` (rows ``src_pitch``
         bytes apart from ``src_start``) to ``dst`` (``dst_pitch`` apart from ``dst_start``),
-        uint8 tensors on host or device, on the current stream: one 2D DMA on CUDA (one
-        layer's parts of equally spaced chunk objects), a copy per row elsewhere."""
+        uint8 tensors on host or device, on ``stream`` (default: the current one): one 2D
+        DMA on CUDA (one layer's parts of equally spaced chunk objects), a copy per row
+        elsewhere."""
         if self.type == "cuda" and rows > 1 and _cudart() is not None:
             # cudaMemcpyKind: host->device 1, device->host 2, device->device 3
             kind = {(False, True): 1, (True, False): 2, (True, True): 3}[
                 (src.device.type != "cpu", dst.device.type != "cpu")]
+            handle = (stream or torch.cuda.current_stream(self.device)).cuda_stream
             rc = _cudart().cudaMemcpy2DAsync(
                 ctypes.c_void_p(dst.data_ptr() + dst_start), ctypes.c_size_t(dst_pitch),
                 ctypes.c_void_p(src.data_ptr() + src_start), ctypes.c_size_t(src_pitch),
-                ctypes.c_size_t(width), ctypes.c_size_t(rows), ctypes.c_int(kind),
-                ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream))
+                ctypes.c_size_t(width), ctypes.c_size_t(rows), ctypes.c_int(kind), ctypes.c_void_p(handle))
             if rc != 0:
                 raise RuntimeError(f"cudaMemcpy2DAsync failed ({rc})")
             return
-        for r in range(rows):
-            d, s_ = dst_start + r * dst_pitch, src_start + r * src_pitch
-            dst[d:d + width].copy_(src[s_:s_ + width], non_blocking=True)
+        with self.use(stream):
+            for r in range(rows):
+                d, s_ = dst_start + r * dst_pitch, src_start + r * src_pitch
+                dst[d:d + width].copy_(src[s_:s_ + width], non_blocking=True)
 
 def batched_copies(copy_path: str, device: torch.device) -> bool:
     """Whether the worker takes the batched path (device_path.py) for ``copy_path``

@@ -12,7 +12,9 @@ kernel reading the arena over the link directly would hold SMs for the whole tra
 and slow the forward it is meant to hide behind (measured: docs/benchmarks.md). The
 compute stream never waits on the host:
 
-- load: ``queue_batch`` queues a batch's copy and returns its event, with no host wait;
+- load: ``batches`` plans a step's batches of a group at once (their DMAs, one upload of
+  every batch's bases, one zeroed sums tensor: device_work.BatchLoad), then
+  ``queue_batch`` queues a batch's copy and returns its event, with no host wait;
   the worker queues the batches before the forward or as it goes (``queue_window``) and
   ``wait_for_layer_load`` makes the compute stream wait on the event of that layer's
   batch. ``check_loads`` compares the
@@ -33,90 +35,25 @@ vLLM-free, so ``benchmarks/layerwise.py`` drives exactly this code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from ascend_store import int8_path, kernels
 from ascend_store.device import Device
+from ascend_store.device_work import BATCH_BYTES, BatchLoad, LayerObjects, QueuedLoad, QueuedSave
 from ascend_store.segments import (
     WORD,
-    CopyPlanner,
-    LayerCopy,
-    RowPlan,
-    StepPages,
+    dma_plan,
     dma_runs,
     fold_alike,
     page_plan,
     run_copy,
-    stage_layout,
     storage_words,
     to_device,
 )
 from ascend_store.transfer import HEADER_BYTES, LayerLayout
-
-# Layers are added to a load batch until it holds this much: a DMA this long runs at
-# ~95% of the link (shorter ones lose to their fixed cost, docs/benchmarks.md), and each
-# batch costs the host a DMA, a kernel launch and an event. A longer layer goes alone, so
-# the forward can start on the first layer while the rest are still on the link.
-BATCH_BYTES = 32 * 2**20
-# A step computing this many tokens has a forward long enough (~0.5 ms a layer for a 7B
-# model on an H200) to queue each batch from the wait of the layer before it.
-LAZY_QUEUE_TOKENS = 512
-
-
-def queue_window(new_tokens: int, layers: int, load_window: int = 0) -> int:
-    """How many layers' copies are queued ahead of the forward: ``load_window``; when 0,
-    every layer for a step that computes few tokens (its forward hides nothing: the link
-    starts on everything at once), else one (each batch costs the host ~0.3 ms, so
-    queueing them all first delays the forward's first kernel by that much per layer,
-    measured in benchmarks/layerwise.py; the forward's own layers keep the host ahead of
-    the link instead)."""
-    if load_window:
-        return load_window
-    return 1 if new_tokens >= LAZY_QUEUE_TOKENS else layers
-
-
-@dataclass
-class LayerObjects:
-    """One layer's objects (its parts of a step's chunk objects): arena offsets, sizes,
-    block ids, pages to skip, names (for errors; for saves without ``fps``, the keys the
-    headers bind to), for loads the word checksum each header carries (-1: none, e.g. a
-    CRC32 already checked on the host), and the step's planner, which every layer of a
-    group shares (built from ``blocks`` and ``skips`` when not given)."""
-
-    name: str
-    offsets: list[int] | np.ndarray
-    sizes: list[int] | np.ndarray
-    blocks: list[list[int]]
-    skips: list[int]
-    keys: list[str]
-    stored: list[int] | np.ndarray | None = None
-    planner: CopyPlanner | None = None
-    fps: np.ndarray | None = None  # saves: the headers' fingerprints, when precomputed
-
-    def plan(self) -> CopyPlanner:
-        if self.planner is None:
-            self.planner = CopyPlanner(StepPages.of(self.blocks, self.skips))
-        return self.planner
-
-
-@dataclass
-class QueuedLoad:
-    layers: list[LayerObjects]  # the batch (int8: one layer)
-    done: object  # device event (None on CPU, where the copy is done on return)
-    sums: torch.Tensor  # raw: [layers, segments, 2] (fold with ``plan``); int8: [objects, 2]
-    plan: RowPlan | None
-
-
-@dataclass
-class QueuedSave:
-    objs: LayerObjects
-    done: object  # device event
-    sums: torch.Tensor
-    copy: LayerCopy | None
-    staging: object = None  # device buffers kept alive until the copy is done
 
 
 class DevicePath:
@@ -170,10 +107,10 @@ class DevicePath:
             self._arena = None
 
     # -- loads --------------------------------------------------------------------
-    def batches(self, layers: list[LayerObjects]) -> list[list[LayerObjects]]:
-        """A group's layers (model order) in the batches they load in: consecutive raw
-        layers of one page shape and one step plan, until a batch holds ``BATCH_BYTES``;
-        int8 layers alone."""
+    def batches(self, layers: list[LayerObjects]) -> list[BatchLoad]:
+        """A group's layers (model order) in the batches they load in, planned: consecutive
+        raw layers of one page shape and one step plan, until a batch holds
+        ``BATCH_BYTES``; int8 layers alone."""
         out: list[list[LayerObjects]] = []
         held = 0
         for objs in layers:
@@ -186,22 +123,90 @@ class DevicePath:
                 out.append([objs])
                 held = 0
             held += int(np.sum(objs.sizes))
-        return out
+        planned = [BatchLoad(b) for b in out]
+        self._plan_raw([bl for bl in planned if bl.layers[0].name not in self.int8])
+        self._plan_int8([bl for bl in planned if bl.layers[0].name in self.int8])
+        return planned
 
-    def queue_batch(self, arena: torch.Tensor, batch: list[LayerObjects]) -> QueuedLoad:
+    def _plan_int8(self, bls: list[BatchLoad]) -> None:
+        """Plan int8 layers: their DMAs and dequantizing plans (layers placed alike share
+        one), and one zeroed sums tensor for all of them."""
+        if not bls:
+            return
+        for bl in bls:
+            objs = bl.layers[0]
+            sizes = np.asarray(objs.sizes, dtype=np.int64)
+            starts = np.asarray(objs.offsets, dtype=np.int64)
+            if self.dev.is_accelerator:
+                bl.runs, bl.staged, starts = dma_plan(starts[None], sizes[None])
+                starts = starts[0]
+            layout = self.layouts[objs.name]
+            per_block = self.int8[objs.name].payload_bytes(layout, 1)
+            planner = objs.plan()
+            bl.int8 = planner.cached(
+                ("int8", layout.kv_dims, starts.tobytes(), sizes.tobytes()),
+                lambda: int8_path.int8_plan(planner.pages, starts, (sizes - HEADER_BYTES) // per_block,
+                                            per_block, layout.kv_dims[1]))
+        counts = [len(bl.int8.obj_n) for bl in bls]
+        with self.dev.use(self.load_stream):
+            sums = torch.zeros((sum(counts), 2), dtype=torch.int64, device=self.dev.device)
+            if self.dev.is_accelerator:
+                for bl in bls:
+                    int8_path.upload(bl.int8, self.dev.device)
+        for bl, part in zip(bls, torch.split(sums, counts)):
+            bl.sums = part
+
+    def _plan_raw(self, raw: list[BatchLoad]) -> None:
+        """Plan raw batches: their DMAs, and on an accelerator one upload of every batch's
+        bases and one zeroed sums tensor, queued on the load stream ahead of their kernels."""
+        if not raw:
+            return
+        flat, rows = [], 0
+        for bl in raw:
+            bl.plan = bl.layers[0].plan().rows(self.shapes[bl.layers[0].name])
+            parts = np.stack([np.asarray(o.offsets, dtype=np.int64) for o in bl.layers])
+            sizes = np.stack([np.asarray(o.sizes, dtype=np.int64) for o in bl.layers])
+            if self.dev.is_accelerator:
+                bl.runs, bl.staged, starts = dma_plan(parts, sizes)
+            else:
+                starts = parts  # CPU: the kernel reads the arena itself
+            bl.obj_base = (starts + HEADER_BYTES) // WORD  # [layer, object] payload start, words
+            if not self.dev.is_accelerator:
+                bl.sums = torch.empty((len(bl.layers), len(bl.plan.obj_of_seg), 2), dtype=torch.int64)
+                continue
+            layer_base = np.asarray([self.bases[o.name] for o in bl.layers], dtype=np.int64)
+            flat += [bl.obj_base.reshape(-1), layer_base]
+            rows += len(bl.layers) * len(bl.plan.obj_of_seg)
+        if not self.dev.is_accelerator:
+            return
+        with self.dev.use(self.load_stream):
+            for bl in raw:
+                if bl.plan.device_segs is None:  # once per step and plan
+                    bl.plan.device_segs = to_device(np.stack([bl.plan.obj_of_seg, bl.plan.payload_word,
+                                                              bl.plan.cache_word]), self.dev.device)
+            bases = to_device(np.concatenate(flat), self.dev.device)
+            sums = torch.zeros((rows, 2), dtype=torch.int64, device=self.dev.device)
+        at = row = 0
+        for bl in raw:
+            k, n, segs = bl.obj_base.size, len(bl.layers), len(bl.plan.obj_of_seg)
+            bl.obj_base, bl.layer_base = bases[at:at + k].view(bl.obj_base.shape), bases[at + k:at + k + n]
+            bl.sums = sums[row:row + n * segs].view(n, segs, 2)
+            at, row = at + k + n, row + n * segs
+
+    def queue_batch(self, arena: torch.Tensor, bl: BatchLoad) -> QueuedLoad:
         """Queue a batch's copy from the arena into the caches (DMAs on the stage stream,
         the kernel on the load stream); the forward may use its layers once its stream
         waits on the returned ``done`` event."""
         with self.dev.use(self.load_stream):
-            if batch[0].name in self.int8:
-                plan, sums = self._load_int8(arena, batch[0])
+            if bl.int8 is not None:
+                plan, sums = None, self._load_int8(arena, bl)
             else:
-                plan, sums = self._load_raw(arena, batch)
+                plan, sums = bl.plan, self._load_raw(arena, bl)
             done = self.dev.record(self.load_stream)
             if self._slot is not None:
                 self._slot[1] = done  # the slot's next DMA waits for this kernel
                 self._slot = None
-            return QueuedLoad(batch, done, sums, plan)
+            return QueuedLoad(bl.layers, done, sums, plan)
 
     def check_loads(self, qs: list[QueuedLoad], verify: bool) -> list[list[list[int]]]:
         """Wait for a step's queued loads; per load, per layer, the indexes of objects whose
@@ -224,51 +229,31 @@ class DevicePath:
                     per_layer[r] = np.flatnonzero((stored >= 0) & (stored != sums[r])).tolist()
         return out
 
-    def _load_raw(self, arena: torch.Tensor, batch: list[LayerObjects]) -> tuple[RowPlan, torch.Tensor]:
-        """Queue a batch of raw layers. On an accelerator the copy engine moves their parts
-        into device memory, then one kernel scatters every layer's pages into its cache and
-        sums them; kernels never wait on the link, so compute keeps every SM. Elsewhere torch
-        ops copy the pages a layer at a time (on CPU straight from the arena)."""
-        plan = batch[0].plan().rows(self.shapes[batch[0].name])
-        parts = np.stack([np.asarray(o.offsets, dtype=np.int64) for o in batch])
-        sizes = np.stack([np.asarray(o.sizes, dtype=np.int64) for o in batch])
-        src, starts = self._stage(arena, parts, sizes)
-        obj_base = (starts + HEADER_BYTES) // WORD  # [layer, object] payload start, words
-        n = len(plan.obj_of_seg)
-        if self.dev.device.type != "cuda":
-            sums = torch.empty((len(batch), n, 2), dtype=torch.int64, device=self.dev.device)
-            kernels.load_rows_torch(src.view(torch.int64), [self.words[o.name] for o in batch],
-                                    (plan.obj_of_seg, plan.payload_word, plan.cache_word), obj_base,
-                                    [self.plans[o.name].origin // WORD for o in batch], sums, plan.seg_words)
-            return plan, sums
-        if plan.device_segs is None:
-            plan.device_segs = to_device(np.stack([plan.obj_of_seg, plan.payload_word, plan.cache_word]),
-                                         self.dev.device)
-        layer_base = np.asarray([self.bases[o.name] for o in batch], dtype=np.int64)
-        bases = to_device(np.concatenate([obj_base.reshape(-1), layer_base]), self.dev.device)  # per batch
-        sums = torch.zeros((len(batch), n, 2), dtype=torch.int64, device=self.dev.device)
-        k = obj_base.size
-        kernels.load_rows(src.view(torch.int64), self.base_words, plan.device_segs,
-                          bases[:k].view(obj_base.shape), bases[k:], sums, plan.seg_words)
-        return plan, sums
-
-    def _stage(self, arena: torch.Tensor, parts: np.ndarray,
-               sizes: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-        """A batch's parts ([layer, object] arena offsets and sizes) in device memory, and
-        where each one starts there (``segments.stage_layout``): one 2D DMA per run of
-        equally spaced spans. On CPU: the arena itself."""
+    def _load_raw(self, arena: torch.Tensor, bl: BatchLoad) -> torch.Tensor:
+        """Queue a planned batch of raw layers. On an accelerator the copy engine moves
+        their parts into device memory, then one kernel scatters every layer's pages into
+        its cache and sums them; kernels never wait on the link, so compute keeps every
+        SM. Elsewhere torch ops copy the pages a layer at a time (on CPU straight from the
+        arena)."""
+        plan = bl.plan
         if not self.dev.is_accelerator:
-            return arena, parts
-        spans, widths, staged, starts = stage_layout(parts, sizes)
-        slot = -(-widths // WORD) * WORD
-        staging = self._ring_slot(int(slot.sum()))
-        with self.dev.use(self.stage_stream):
-            for g in range(len(spans)):
-                for first, count, pitch in dma_runs(spans[g], widths[g]):
-                    w, at = int(slot[g, first]), int(staged[g, first])
-                    self.dev.copy_2d(staging, at, w, arena, int(spans[g, first]), pitch, w, count)
-            self.dev.wait(self.dev.record(self.stage_stream), self.load_stream)
-        return staging, starts
+            kernels.load_rows_torch(arena.view(torch.int64), [self.words[o.name] for o in bl.layers],
+                                    (plan.obj_of_seg, plan.payload_word, plan.cache_word), bl.obj_base,
+                                    [self.plans[o.name].origin // WORD for o in bl.layers], bl.sums,
+                                    plan.seg_words)
+            return bl.sums
+        staging = self._queue_dmas(arena, bl.runs, bl.staged)
+        kernels.load_rows(staging.view(torch.int64), self.base_words, plan.device_segs, bl.obj_base,
+                          bl.layer_base, bl.sums, plan.seg_words)
+        return bl.sums
+
+    def _queue_dmas(self, arena: torch.Tensor, runs: list, nbytes: int) -> torch.Tensor:
+        """Queue a batch's DMAs into the next staging buffer; the load stream waits for them."""
+        staging = self._ring_slot(nbytes)
+        for at, width, src, pitch, count in runs:
+            self.dev.copy_2d(staging, at, width, arena, src, pitch, width, count, self.stage_stream)
+        self.dev.wait(self.dev.record(self.stage_stream), self.load_stream)
+        return staging
 
     def _ring_slot(self, nbytes: int) -> torch.Tensor:
         """The next of two staging buffers, once the kernel that last read it is done:
@@ -285,20 +270,11 @@ class DevicePath:
         self._slot = entry
         return entry[0][:nbytes]
 
-    def _load_int8(self, arena: torch.Tensor, objs: LayerObjects):
-        """Dequantize a layer's int8 objects into the cache (one kernel, int8_path.py);
-        the payloads' word sums come back per object."""
-        sizes = np.asarray(objs.sizes, dtype=np.int64)
-        src, starts = self._stage(arena, np.asarray(objs.offsets, dtype=np.int64)[None], sizes[None])
-        starts = starts[0]
-        layout = self.layouts[objs.name]
-        per_block = self.int8[objs.name].payload_bytes(layout, 1)
-        planner = objs.plan()
-        plan = planner.cached(
-            ("int8", layout.kv_dims, starts.tobytes(), sizes.tobytes()),
-            lambda: int8_path.int8_plan(planner.pages, starts, (sizes - HEADER_BYTES) // per_block, per_block,
-                                        layout.kv_dims[1]))
-        return None, int8_path.load_layer(src, self.blocks_view[objs.name], plan)
+    def _load_int8(self, arena: torch.Tensor, bl: BatchLoad) -> torch.Tensor:
+        """Dequantize a planned int8 layer's objects into the cache (one kernel,
+        int8_path.py); the payloads' word sums come back per object."""
+        src = self._queue_dmas(arena, bl.runs, bl.staged) if self.dev.is_accelerator else arena
+        return int8_path.load_layer(src, self.blocks_view[bl.layers[0].name], bl.int8, bl.sums)
 
     # -- saves --------------------------------------------------------------------
     def save_layer(self, arena: torch.Tensor, objs: LayerObjects, after) -> QueuedSave:
@@ -321,13 +297,16 @@ class DevicePath:
             slot = -(-sizes // WORD) * WORD
             starts = np.cumsum(slot) - slot  # parts in staging as in the arena: headers too
             staging = torch.empty(int(slot.sum()), dtype=torch.uint8, device=self.dev.device)
-            copy = objs.plan().layer(plan, starts + HEADER_BYTES, load=False)
-            sums = run_copy(copy, self.words[objs.name], staging.view(torch.int64), self.dev.device)
+            # The page shape's plan, read from where this layer's cache starts: the step's
+            # layers of one shape share it, so its offsets go to the device once a step.
+            copy = objs.plan().layer(self.shapes[objs.name], starts + HEADER_BYTES, load=False)
+            src = self.words[objs.name][plan.origin // WORD:]
+            sums = run_copy(copy, src, staging.view(torch.int64), self.dev.device)
             for first, count, pitch in dma_runs(offs, sizes):
                 # Headers ride along in the 2D copy and are rewritten at the commit.
                 width = int(slot[first])
                 self.dev.copy_2d(arena, int(offs[first]), pitch, staging, int(starts[first]), width, width,
-                                 count)
+                                 count, self.save_stream)
             done = self.dev.record(self.save_stream)
         return QueuedSave(objs, done, sums, copy, staging)
 
@@ -341,12 +320,12 @@ class DevicePath:
         keep = []
         view = self.blocks_view[objs.name]
         for idx, rows, got in int8_path.quantize_classes(view, sizes, objs.plan().pages, codec, layout):
-            sums[torch.from_numpy(idx).to(self.dev.device)] = got
+            sums.index_copy_(0, to_device(idx, self.dev.device), got)  # a pageable copy would block
             width = rows.shape[1]
             flat = rows.view(-1)
             for first, count, pitch in dma_runs(offsets[idx] + HEADER_BYTES, sizes[idx] - HEADER_BYTES):
                 at = int(offsets[idx[first]]) + HEADER_BYTES
-                self.dev.copy_2d(arena, at, pitch, flat, first * width, width, width, count)
+                self.dev.copy_2d(arena, at, pitch, flat, first * width, width, width, count, self.save_stream)
             keep.append(rows)
         return QueuedSave(objs, self.dev.record(self.save_stream), sums, None, keep)
 

@@ -76,21 +76,28 @@ def int8_plan(pages: StepPages, starts: np.ndarray, n: np.ndarray, block_bytes: 
                     t, min(t, 16))
 
 
-def load_layer(staging: torch.Tensor, view: torch.Tensor, plan: Int8Plan) -> torch.Tensor:
+def load_layer(staging: torch.Tensor, view: torch.Tensor, plan: Int8Plan, sums: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """Dequantize ``plan``'s pages from ``staging`` into ``view`` ([blocks, 2, T, H, D])
-    and return the per-object word sums [objects, 2] (on the device, valid once the
-    queued work is done)."""
+    and add the per-object word sums into ``sums`` ([objects, 2], zeroed; made here when
+    None); returns them (on the device, valid once the queued work is done)."""
     dev = staging.device
-    sums = torch.zeros((len(plan.obj_n), 2), dtype=torch.int64, device=dev)
+    if sums is None:
+        sums = torch.zeros((len(plan.obj_n), 2), dtype=torch.int64, device=dev)
     if dev.type == "cuda":
-        if not plan.tensors:
-            arrays = plan.arrays()
-            flat = to_device(np.concatenate(arrays), dev)
-            plan.tensors = tuple(torch.tensor_split(flat, np.cumsum([len(a) for a in arrays[:-1]]).tolist()))
+        upload(plan, dev)
         kernels.int8_load(staging, view, plan, sums)
         return sums
     _load_torch(staging, view, plan, sums)
     return sums
+
+
+def upload(plan: Int8Plan, device: torch.device) -> None:
+    """The plan's index arrays on the device, in one copy, once per plan."""
+    if not plan.tensors:
+        arrays = plan.arrays()
+        flat = to_device(np.concatenate(arrays), device)
+        plan.tensors = tuple(torch.tensor_split(flat, np.cumsum([len(a) for a in arrays[:-1]]).tolist()))
 
 
 def _load_torch(staging: torch.Tensor, view: torch.Tensor, plan: Int8Plan, sums: torch.Tensor) -> None:
@@ -135,7 +142,7 @@ def quantize_classes(blocks: torch.Tensor, sizes: np.ndarray, pages: StepPages, 
         row[idx] = np.arange(len(idx))
         take = row[pages.obj] >= 0
         order = np.argsort(row[pages.obj][take] * n + pages.page[take], kind="stable")
-        block = torch.from_numpy(pages.block[take][order]).to(blocks.device, non_blocking=True)
+        block = to_device(pages.block[take][order], blocks.device)
         rows = torch.empty((len(idx), codec.payload_bytes(layout, n)), dtype=torch.uint8,
                            device=blocks.device)
         for dst, src in zip(codec.split_rows(layout, rows, n), quantize(blocks[block])):  # pages object-major

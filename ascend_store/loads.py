@@ -26,7 +26,7 @@ import torch
 
 from ascend_store import host_loads
 from ascend_store.backends import BackendUnavailable, Status
-from ascend_store.device_path import LayerObjects, QueuedLoad, queue_window
+from ascend_store.device_work import BatchLoad, LayerObjects, QueuedLoad, queue_window
 from ascend_store.metadata import ChunkLoad
 from ascend_store.segments import CopyPlanner, StepPages
 from ascend_store.transfer import (
@@ -66,9 +66,10 @@ class LoadJob:
         self.events = {name: threading.Event() for name in layers}  # layer landed or queued
         self.device_events: dict[str, object] = {}  # layer -> its batch's event (accelerators)
         self.awaited: object = None  # the event the compute stream waited on last
+        self.compute: object = None  # the forward's stream (accelerators), looked up once
         self.window = 0  # layers queued ahead of the forward (accelerators)
         self.queued: list[tuple[QueuedLoad, Admitted]] = []
-        self.todo: list[tuple[list[LayerObjects], Admitted]] = []  # accelerators: batches, model order
+        self.todo: list[tuple[BatchLoad, Admitted]] = []  # accelerators: batches, model order
         self.rank: dict[str, int] = {}  # layer -> its index in model order
         self.first: list[int] = []  # per batch in todo: the rank of its first layer
         self.next = 0  # todo[:next] are queued
@@ -111,7 +112,9 @@ class Loader:
             self._queue_upto(job, job.rank.get(layer_name, -1) + 1 + job.window)
             done = job.device_events.get(layer_name)
             if done is not job.awaited:  # a batch's later layers: the stream waits already
-                self.ctx.device_path.dev.wait(done)
+                if job.compute is None:
+                    job.compute = self.ctx.device_path.dev.current()
+                self.ctx.device_path.dev.wait(done, job.compute)
                 job.awaited = done
 
     def finish(self, job: LoadJob) -> None:
@@ -121,7 +124,7 @@ class Loader:
         if self.ctx.device_path is not None:
             if self.ctx.cfg.use_layerwise and job.next < len(job.todo):
                 # A layer the forward never waited for read its blocks before they landed.
-                self.abandon(job, f"layer {job.todo[job.next][0][0].name} was never waited for")
+                self.abandon(job, f"layer {job.todo[job.next][0].layers[0].name} was never waited for")
             self._queue_upto(job, len(job.rank))
             for event in job.device_events.values():
                 self.ctx.device_path.dev.wait(event)
@@ -313,8 +316,8 @@ class Loader:
                 layers = [LayerObjects(name, adm.parts[i, o], adm.sizes[i, o], blocks, skips, [],
                                        stored[i, o], adm.planner) for i, name in enumerate(names)]
                 job.todo += [(batch, adm) for batch in ctx.device_path.batches(layers)]
-            job.todo.sort(key=lambda t: job.rank[t[0][0].name])
-            job.first = [job.rank[batch[0].name] for batch, _ in job.todo]
+            job.todo.sort(key=lambda t: job.rank[t[0].layers[0].name])
+            job.first = [job.rank[batch.layers[0].name] for batch, _ in job.todo]
             # Layerwise: the batches of the first ``job.window`` layers now, each later one
             # as the forward reaches the layer ``job.window`` before it (``wait``).
             self._queue_upto(job, job.window if ctx.cfg.use_layerwise else len(job.rank))
@@ -338,7 +341,7 @@ class Loader:
                     continue
                 q = self.ctx.device_path.queue_batch(job.arena, batch)
                 job.queued.append((q, adm))
-                for objs in batch:
+                for objs in batch.layers:
                     job.device_events[objs.name] = q.done
         except Exception as exc:
             job.next = len(job.todo)

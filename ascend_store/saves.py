@@ -27,7 +27,7 @@ import torch
 
 from ascend_store.backends import BackendUnavailable, Status
 from ascend_store.backends.base import STATUSES
-from ascend_store.device_path import LayerObjects
+from ascend_store.device_work import LayerObjects
 from ascend_store.metadata import ChunkSave
 from ascend_store.segments import CopyPlanner, StepPages
 from ascend_store.transfer import FLAG_WSUM, HEADER_BYTES, seal, seal_headers, write_object

@@ -239,7 +239,9 @@ def run_copy(copy: LayerCopy, src, dst, device: torch.device) -> torch.Tensor:
 
 def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     """int64 ``values`` on the device without blocking the host: through pinned memory (a
-    copy from pageable memory may block it), on the current stream."""
+    copy from pageable memory may block it), on the current stream. On CPU: the values."""
+    if torch.device(device).type == "cpu":
+        return torch.from_numpy(np.array(values, dtype=np.int64))
     host = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
     host.numpy()[...] = values
     return host.to(device, non_blocking=True)
@@ -318,3 +320,15 @@ def dma_runs(offs: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, int]]:
             i = b + 1
     out += [(k, 1, int(sizes[k])) for k in range(i, n)]
     return out
+
+
+def dma_plan(parts: np.ndarray, sizes: np.ndarray) -> tuple[list, int, np.ndarray]:
+    """Where a batch's parts ([layer, object] arena offsets and sizes) go in device
+    staging (``stage_layout``): one 2D DMA per run of equally spaced spans,
+    as (staging offset, width, arena offset, pitch, rows); the staged bytes; and each
+    part's staging offset."""
+    spans, widths, staged, starts = stage_layout(parts, sizes)
+    slot = -(-widths // WORD) * WORD
+    runs = [(int(staged[g, first]), int(slot[g, first]), int(spans[g, first]), pitch, count)
+            for g in range(len(spans)) for first, count, pitch in dma_runs(spans[g], widths[g])]
+    return runs, int(slot.sum()), starts

@@ -22,14 +22,15 @@ Needs vLLM (on the GPU machine: the offline kit of ../shared/gpu-kit) and, for l
 LMCache 0.5.3:  python benchmarks/e2e_gpu.py --geometry 1b 7b --json out.json
 Tables and a PNG from saved results (later files win per configuration), anywhere:
     python benchmarks/e2e_gpu.py --merge a.json b.json --plot e2e.png
-Where a configuration's time goes: ``--hooks`` runs each engine in one process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so both halves of the connector and the engine's
-step run on this thread) and records, per timed repetition, the engine steps and the host
-time and calls of every connector hook (the JSON keeps them; a summary is printed).
-``--profile DIR`` does the same and also writes a cProfile summary of the timed
-repetitions per prompt length to DIR. In-process TTFTs lack the IPC and, with
-``--profile``, carry the profiler's overhead: compare configurations, not these numbers
-with the table's.
+Where a configuration's time goes: ``--trace`` loads ``hook_trace.py`` as a vLLM plugin in
+every engine process and keeps, per timed hit, the engine core's steps, scheduler calls,
+calls into the worker, the wait for the sampled token and every connector hook on one
+clock with the request's send and receive (JSON; a median timeline is printed). It works
+with the engine core in its own process (the default, as users run it) or, with
+``--inprocess``, on the caller's thread. ``--profile DIR`` runs in one process and writes
+a cProfile summary of the timed repetitions per prompt length to DIR. In-process TTFTs
+lack the IPC and, with ``--profile``, carry the profiler's overhead: compare
+configurations, not these numbers with the table's.
 """
 
 from __future__ import annotations
@@ -90,38 +91,6 @@ def model_dir(geometry: str) -> str:
     return path
 
 
-HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "update_connector_output", "request_finished", "request_finished_all_groups", "start_load_kv",
-         "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
-         "get_block_ids_with_load_errors", "build_connector_worker_meta", "get_kv_connector_stats",
-         "take_events", "handle_preemptions")
-
-
-def time_hooks(llm) -> dict:
-    """Sum the host time and calls of each connector hook and of the engine's steps (all
-    in this process with --hooks); the caller reads and clears the dict per repetition."""
-    acc: dict = {}
-
-    def timed(name, fn):
-        def run(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                calls, secs = acc.get(name, (0, 0.0))
-                acc[name] = (calls + 1, secs + time.perf_counter() - t0)
-        return run
-
-    from ascend_store.connector import AscendStoreConnector
-
-    for name in HOOKS:
-        setattr(AscendStoreConnector, name, timed(name, getattr(AscendStoreConnector, name)))
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    if core is not None and hasattr(core, "step_fn"):
-        core.step_fn = timed("engine step", core.step_fn)
-    return acc
-
-
 def child(spec: dict) -> None:
     """One engine, one configuration: prints a RESULT line."""
     from vllm import LLM, SamplingParams
@@ -147,7 +116,6 @@ def child(spec: dict) -> None:
             kv["kv_connector_extra_config"] = extra
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
     llm = LLM(**kwargs)
-    hooks = time_hooks(llm) if spec.get("hooks") else None
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     out = {}
     for n in spec["tokens"]:
@@ -155,7 +123,7 @@ def child(spec: dict) -> None:
         prompt = TokensPrompt(prompt_token_ids=[rng.randrange(3, 32000) for _ in range(n)])
         first = llm.generate([prompt], params, use_tqdm=False)[0]  # computes; fills the cache
         time.sleep(1.0)  # a save still draining would turn the first timed hit into a miss
-        times, tokens, cached, steps = [], [], [], []
+        times, tokens, cached, windows = [], [], [], []
         prof = cProfile.Profile() if spec.get("profile") else None
         for rep in range(spec["reps"] + 1):  # the first is a warm-up
             if conf.get("reset"):
@@ -164,16 +132,13 @@ def child(spec: dict) -> None:
                 prof.enable()
             t0 = time.perf_counter()
             o = llm.generate([prompt], params, use_tqdm=False)[0]
+            t1 = time.perf_counter()
             if prof and rep:
                 prof.disable()
-            if hooks is not None:
-                got = {k: [c, round(secs * 1e3, 3)] for k, (c, secs) in hooks.items()}
-                hooks.clear()
-                if rep:
-                    steps.append(got)
             if rep == 0:
                 continue
-            times.append(time.perf_counter() - t0)
+            times.append(t1 - t0)
+            windows.append((t0, t1))
             tokens.append(o.outputs[0].token_ids[0])
             cached.append(o.num_cached_tokens or 0)
         ranked = sorted(times)
@@ -181,8 +146,11 @@ def child(spec: dict) -> None:
         out[n] = {"ttft_ms": ranked[len(ranked) // 2] * 1e3, "p90_ms": p90 * 1e3,
                   "all_ms": [t * 1e3 for t in times],
                   "token": tokens, "first_token": first.outputs[0].token_ids[0], "cached": cached}
-        if steps:
-            out[n]["hooks"] = steps
+        if spec.get("trace"):
+            import hook_trace
+
+            time.sleep(0.2)  # the engine core's last step flushes its events
+            out[n]["trace"] = hook_trace.timelines(spec["trace"], windows)
         if prof:
             write_profile(prof, os.path.join(spec["profile"], f"{spec['name']}-{n // 1024}K.txt"),
                           spec["reps"])
@@ -227,20 +195,6 @@ def concurrent(llm, spec: dict, conf: dict, params) -> dict:
     pick = lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))] if ttft else float("nan")  # noqa: E731
     return {"tokens": n, "requests": k, "ttft_p50_ms": pick(0.5), "ttft_p90_ms": pick(0.9),
             "req_per_s": k / wall, "cached": [o.num_cached_tokens or 0 for o in outs]}
-
-
-def print_hooks(label: str, reps: list[dict]) -> None:
-    """Median host ms (and calls) per repetition of each hook that took any time."""
-    if not reps:
-        return
-    names = sorted({k for r in reps for k in r}, key=lambda k: -max(r.get(k, [0, 0])[1] for r in reps))
-    cells = []
-    for k in names:
-        ms = sorted(r.get(k, [0, 0.0])[1] for r in reps)[len(reps) // 2]
-        calls = sorted(r.get(k, [0, 0.0])[0] for r in reps)[len(reps) // 2]
-        if ms >= 0.05:
-            cells.append(f"{k} {ms:.2f} ms/{calls}")
-    print(f"    {label}: " + ", ".join(cells), flush=True)
 
 
 def link_gbs() -> float:
@@ -317,7 +271,9 @@ def main() -> None:
     ap.add_argument("--plot", help="write a PNG of TTFT against prompt length")
     ap.add_argument("--merge", nargs="+", help="report saved results instead of running")
     ap.add_argument("--profile", help="write cProfile summaries of the timed hits to this directory")
-    ap.add_argument("--hooks", action="store_true", help="time each connector hook per repetition")
+    ap.add_argument("--trace", action="store_true",
+                    help="record where each timed hit's time goes in every engine process")
+    ap.add_argument("--inprocess", action="store_true", help="run the engine core on the caller's thread")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
@@ -349,10 +305,17 @@ def main() -> None:
                     "tmp": tmp, "gpu": gbs == gbs, "concurrent": args.concurrent,
                     "concurrent_tokens": args.concurrent_tokens, "name": f"{geometry}-{name}",
                     "profile": args.profile and os.path.abspath(args.profile),
-                    "hooks": args.hooks or bool(args.profile)}
-            env = {**os.environ, **CONFIGS[name].get("env", {}),
-                   "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-            if spec["hooks"]:
+                    "trace": args.trace and os.path.join(tmp, "trace")}
+            path = [REPO, os.environ.get("PYTHONPATH", "")]
+            env = {**os.environ, **CONFIGS[name].get("env", {})}
+            if args.trace:
+                import hook_trace
+
+                os.makedirs(spec["trace"])
+                path += [HERE, hook_trace.plugin_path(os.path.join(tmp, "plugin"))]
+                env[hook_trace.ENV] = spec["trace"]
+            env["PYTHONPATH"] = os.pathsep.join(path)
+            if args.inprocess or args.profile:
                 env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             t0 = time.perf_counter()
             try:
@@ -373,7 +336,11 @@ def main() -> None:
                                  f"(hit {got[str(n)]['cached'][0]})" for n in args.tokens)
                 print(f"{geometry:>3} {name:<22} {cells}", flush=True)
                 for n in args.tokens:
-                    print_hooks(f"{geometry:>3} {name} {n // 1024}K", got[str(n)].get("hooks", []))
+                    if "trace" in got[str(n)]:
+                        import hook_trace
+
+                        print(f"    {n // 1024}K, median over the timed hits:\n      "
+                              + "\n      ".join(hook_trace.summary(got[str(n)]["trace"])), flush=True)
                 if "concurrent" in got:
                     c = got["concurrent"]
                     print(f"{'':>3} {'':<22} {c['requests']} at once, {c['tokens']} tokens: TTFT p50 "

@@ -17,19 +17,23 @@ at the end). For each case, in one run:
   compute    the forward alone
   overlap    the forward with the load running under it
   hidden     (load + compute - overlap) / load: the share of the load that cost no time
+  *_host     the host's time to queue a load's batches (and wait calls) or a save's
+             layers, until it waits for the device: the part a forward must hide
 
 Runs with torch, triton and this package only (no vLLM):
     python benchmarks/layerwise.py [--cached 4096 16384 32768] [--new 512 2048] [--geometry ...]
-                                   [--codec raw int8] [--json out.json]
+                                   [--codec raw int8] [--json out.json] [--profile FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import itertools
 import json
 import mmap
 import os
+import pstats
 import sys
 import time
 
@@ -38,7 +42,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ascend_store.codecs import get_codec  # noqa: E402
-from ascend_store.device_path import DevicePath, LayerObjects, queue_window  # noqa: E402
+from ascend_store.device_path import DevicePath  # noqa: E402
+from ascend_store.device_work import LayerObjects, queue_window  # noqa: E402
 from ascend_store.segments import CopyPlanner, StepPages  # noqa: E402
 from ascend_store.transfer import HEADER_BYTES, LayerLayout, object_bytes, seal  # noqa: E402
 
@@ -91,7 +96,8 @@ def sync(dev) -> None:
         torch.cuda.synchronize()
 
 
-def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_name: str = "raw") -> dict:
+def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_name: str = "raw",
+             profile: cProfile.Profile | None = None) -> dict:
     dev = torch.device(device)
     nblocks = cached // BLOCK
     caches = [torch.zeros(2, nblocks + 8, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
@@ -142,18 +148,19 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
         now, each later one from the wait of the layer ``window`` before it; returns the
         queued loads and the wait to call before each layer."""
         batches = path.batches(layers)
-        first = [names.index(b[0].name) for b in batches]
+        first = [names.index(b.layers[0].name) for b in batches]
+        compute = path.dev.current()
         queued, events = [], {}
 
         def upto(stop):
             while len(queued) < len(batches) and first[len(queued)] < stop:
                 batch = batches[len(queued)]
                 queued.append(path.queue_batch(arena, batch))
-                events.update((o.name, queued[-1].done) for o in batch)
+                events.update((o.name, queued[-1].done) for o in batch.layers)
 
         def wait(li):
             upto(li + 1 + window)
-            path.dev.wait(events[names[li]])
+            path.dev.wait(events[names[li]], compute)
 
         upto(window)
         return queued, wait
@@ -163,6 +170,8 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
             if any(per_layer):
                 raise AssertionError(f"{[o.name for o in q.layers]}: objects failed their checksum")
 
+    host: dict = {}  # per function: host seconds of its last run until it waited for the device
+
     def timed(fn) -> float:
         sync(dev)
         t0 = time.perf_counter()
@@ -170,19 +179,27 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
         sync(dev)
         return time.perf_counter() - t0
 
+    def queued_by(fn, t0: float) -> None:
+        host[fn] = time.perf_counter() - t0
+
     # Saves go to a second arena: the loads' stays intact.
     saver = DevicePath(dev, layouts, {n: codec for n in names})
     save_map = mmap.mmap(-1, size)
     save_arena = saver.arena(0, save_map)
 
     def save_all():  # every layer's blocks into its object slots, as a prefill would
-        for q in [saver.save_layer(save_arena, objs, None) for objs in layers]:
-            saver.finish_save(q)
+        t0 = time.perf_counter()
+        qs = [saver.save_layer(save_arena, objs, None) for objs in layers]
+        queued_by(save_all, t0)
+        saver.finish_saves(qs)
 
     def load_only():
+        t0 = time.perf_counter()
         queued, wait = loader(LAYERS)
         for li in range(LAYERS):
             wait(li)
+        queued_by(load_only, t0)
+        host["batches"] = len(queued)
         check(queued)
 
     def overlap():
@@ -200,9 +217,15 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
 
     for fn in (ceiling, save_all, load_only, forward, overlap):  # warm up (Triton compile, cuBLAS)
         timed(fn)
-    med = lambda fn: sorted(timed(fn) for _ in range(reps))[reps // 2]  # noqa: E731
-    t_ceil, t_load, t_comp, t_over = med(ceiling), med(load_only), med(forward), med(overlap)
-    t_save = med(save_all)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    t_ceil, t_comp, t_over = (med([timed(fn) for _ in range(reps)]) for fn in (ceiling, forward, overlap))
+    t_load, load_host = map(med, zip(*[(timed(load_only), host[load_only]) for _ in range(reps)]))
+    if profile is not None:  # the host's part of the loads and saves, apart
+        for fn in (load_only, save_all):
+            profile.enable()
+            timed(fn)
+            profile.disable()
+    t_save, save_host = map(med, zip(*[(timed(save_all), host[save_all]) for _ in range(reps)]))
     hidden = max(0.0, min(1.0, (t_load + t_comp - t_over) / t_load))
     path.close()
     saver.close()
@@ -212,7 +235,8 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
             "ceiling_gbs": kv_bytes / t_ceil / 1e9, "load_ms": t_load * 1e3,
             "load_gbs": kv_bytes / t_load / 1e9, "load_pct_ceiling": 100 * t_ceil / t_load,
             "save_gbs": kv_bytes / t_save / 1e9, "save_pct_ceiling": 100 * t_ceil / t_save,
-            "compute_ms": t_comp * 1e3, "overlap_ms": t_over * 1e3, "hidden_pct": 100 * hidden}
+            "compute_ms": t_comp * 1e3, "overlap_ms": t_over * 1e3, "hidden_pct": 100 * hidden,
+            "batches": host["batches"], "load_host_ms": load_host * 1e3, "save_host_ms": save_host * 1e3}
 
 
 def main() -> None:
@@ -225,23 +249,33 @@ def main() -> None:
     ap.add_argument("--geometry", nargs="+", default=list(GEOMETRIES), choices=list(GEOMETRIES))
     ap.add_argument("--codec", nargs="+", default=["raw"], choices=["raw", "int8"],
                     help="int8: half the bytes over the link; the ceiling stays the raw bytes' copy")
+    ap.add_argument("--profile", metavar="FILE", help="cProfile the host's part of one load and one save "
+                    "per case; a summary goes to FILE")
     args = ap.parse_args()
+    profile = cProfile.Profile() if args.profile else None
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"{name}; objects of {CHUNK_TOKENS} tokens, bf16, checksums on")
     cols = ("geometry", "codec", "cached", "new", "kv_gb", "ceiling_gbs", "load_gbs", "load_pct_ceiling",
-            "save_gbs", "save_pct_ceiling", "load_ms", "compute_ms", "overlap_ms", "hidden_pct")
+            "save_gbs", "save_pct_ceiling", "load_ms", "compute_ms", "overlap_ms", "hidden_pct", "batches",
+            "load_host_ms", "save_host_ms")
     print(" ".join(f"{c:>16}" for c in cols))
     rows = []
     for geometry in args.geometry:
         use(geometry)
         for codec, cached, new in itertools.product(args.codec, args.cached, args.new):
-            r = {"geometry": geometry, "codec": codec, **run_case(cached, new, args.reps, args.device, codec)}
+            r = {"geometry": geometry, "codec": codec, **run_case(cached, new, args.reps, args.device, codec,
+                                                                     profile)}
             rows.append(r)
             print(" ".join(f"{r[c]:>16.2f}" if isinstance(r[c], float) else f"{r[c]:>16}" for c in cols),
                   flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "rows": rows}, f, indent=1)
+    if profile is not None:
+        with open(args.profile, "w") as f:
+            stats = pstats.Stats(profile, stream=f).strip_dirs()
+            for key in ("tottime", "cumulative"):
+                stats.sort_stats(key).print_stats(40)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from ascend_store.pool_worker import PoolWorker  # noqa: E402
 
 # name: (layers, kv heads, head dim, block size), bf16, 256-token objects
 GEOMETRIES = {"qwen2.5-7b/b16": (28, 4, 128, 16), "llama3-8b/b16": (32, 8, 128, 16),
-              "qwen2.5-7b/b128": (28, 4, 128, 128)}
+              "qwen2.5-7b/b128": (28, 4, 128, 128), "llama-1b/b16": (16, 8, 64, 16)}
 DEVICE_WORK = ((kernels, "copy_segments_sum_torch"),)  # raw codec
 ROUNDS = itertools.count()
 POOL_CALLS = ("lease", "lease_slots", "release", "reserve", "reserve_slots", "commit", "abort", "remove")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ascend_store.codecs import get_codec
-from ascend_store.device_path import DevicePath, LayerObjects
+from ascend_store.device_path import DevicePath
+from ascend_store.device_work import LayerObjects
 from ascend_store.transfer import (
     FLAG_WSUM,
     HEADER_BYTES,
@@ -45,7 +46,7 @@ def _load_all(path, arena, objs, layouts, ready=lambda name, event: None):
                                   wsum_later=True)
         assert faults == [None] * len(o.offsets)
         o.stored = [int(c) if f & FLAG_WSUM else -1 for c, f in zip(h["crc"], h["flags"])]
-        q = path.queue_batch(arena, [o])
+        q = path.queue_batch(arena, path.batches([o])[0])
         ready(o.name, q.done)
         queued.append(q)
     return [(q.layers[0].name, bad) for q, (bad,) in zip(queued, path.check_loads(queued, True))]
@@ -160,7 +161,7 @@ def test_a_batch_of_layers_loads_from_chunk_objects_with_one_plan(device):
         assert faults == [None] * 3
         o.stored = np.where(h["flags"] & FLAG_WSUM, h["crc"].astype(np.int64), -1)
     batches = loader.batches(objs)
-    assert [[o.name for o in b] for b in batches] == [names]
+    assert [[o.name for o in b.layers] for b in batches] == [names]
     q = loader.queue_batch(arena2, batches[0])
     assert loader.check_loads([q], True) == [[[], [], [1], []]]
     for o in objs:
@@ -173,7 +174,7 @@ def test_a_batch_of_layers_loads_from_chunk_objects_with_one_plan(device):
     skipped = CopyPlanner(StepPages.of([[10, 11]], [1]))
     part_load = [LayerObjects(o.name, o.offsets[:1], o.sizes[:1], [[10, 11]], [1], o.keys[:1], o.stored[:1],
                               planner=skipped) for o in objs]
-    q = loader.queue_batch(arena2, part_load)
+    q = loader.queue_batch(arena2, loader.batches(part_load)[0])
     assert loader.check_loads([q], True) == [[[], [], [], []]]
     for o in objs:
         for src, dst in ((4, 10), (7, 11)):
@@ -240,7 +241,7 @@ def test_int8_layers_match_the_host_codec_both_ways(device):
                                   wsum_later=True)
         assert faults == [None, None]
         o.stored = h["crc"].astype("int64").tolist()
-        queued.append(loader.queue_batch(arena, [o]))
+        queued.append(loader.queue_batch(arena, loader.batches([o])[0]))
     assert loader.check_loads(queued, True) == [[[]], [[]]]
     for name, o in objs.items():
         dst = LayerLayout(torch.zeros_like(host[name].tensor), host[name].block_dim, host[name].kv_dims)
@@ -252,11 +253,11 @@ def test_int8_layers_match_the_host_codec_both_ways(device):
     # A partial load (the device cache held the chunk's first page): pages 1.. only.
     o = objs["a"]
     part = LayerObjects("a", o.offsets[:1], o.sizes[:1], [[10, 11]], [1], o.keys[:1], o.stored[:1])
-    assert loader.check_loads([loader.queue_batch(arena, [part])], True) == [[[]]]
+    assert loader.check_loads([loader.queue_batch(arena, loader.batches([part])[0])], True) == [[[]]]
     for src, dst in ((4, 10), (7, 11)):
         assert torch.equal(empty["a"].page(dst), empty["a"].page(src))
 
     arena[objs["b"].offsets[0] + HEADER_BYTES + 77] ^= 0x10
-    assert loader.check_loads([loader.queue_batch(arena, [objs["b"]])], True) == [[[0]]]
+    assert loader.check_loads([loader.queue_batch(arena, loader.batches([objs["b"]])[0])], True) == [[[0]]]
     path.close()
     loader.close()
