@@ -70,7 +70,6 @@ class LoadJob:
         self.window = 0  # layers queued ahead of the forward (accelerators)
         self.queued: list[tuple[QueuedLoad, Admitted]] = []
         self.todo: list[tuple[BatchLoad, Admitted]] = []  # accelerators: batches, model order
-        self.rank: dict[str, int] = {}  # layer -> its index in model order
         self.first: list[int] = []  # per batch in todo: the rank of its first layer
         self.next = 0  # todo[:next] are queued
         self.arena: torch.Tensor | None = None
@@ -109,7 +108,7 @@ class Loader:
         if ev is not None and not ev.wait(self.ctx.cfg.load_timeout_s):
             self.abandon(job, f"layer {layer_name} not loaded within {self.ctx.cfg.load_timeout_s}s")
         if self.ctx.device_path is not None:  # the compute stream waits; the host does not
-            self._queue_upto(job, job.rank.get(layer_name, -1) + 1 + job.window)
+            self._queue_upto(job, self.ctx.rank.get(layer_name, -1) + 1 + job.window)
             done = job.device_events.get(layer_name)
             if done is not job.awaited:  # a batch's later layers: the stream waits already
                 if job.compute is None:
@@ -125,7 +124,7 @@ class Loader:
             if self.ctx.cfg.use_layerwise and job.next < len(job.todo):
                 # A layer the forward never waited for read its blocks before they landed.
                 self.abandon(job, f"layer {job.todo[job.next][0].layers[0].name} was never waited for")
-            self._queue_upto(job, len(job.rank))
+            self._queue_upto(job, len(self.ctx.order))
             for event in job.device_events.values():
                 self.ctx.device_path.dev.wait(event)
 
@@ -305,7 +304,6 @@ class Loader:
         try:
             arena, admitted = self._lease(job)
             job.arena = arena
-            job.rank = {name: r for r, name in enumerate(ctx.order)}
             for adm in admitted:
                 if not len(adm.entries):
                     continue
@@ -316,11 +314,11 @@ class Loader:
                 layers = [LayerObjects(name, adm.parts[i, o], adm.sizes[i, o], blocks, skips, [],
                                        stored[i, o], adm.planner) for i, name in enumerate(names)]
                 job.todo += [(batch, adm) for batch in ctx.device_path.batches(layers)]
-            job.todo.sort(key=lambda t: job.rank[t[0].layers[0].name])
-            job.first = [job.rank[batch.layers[0].name] for batch, _ in job.todo]
+            job.todo.sort(key=lambda t: ctx.rank[t[0].layers[0].name])
+            job.first = [ctx.rank[batch.layers[0].name] for batch, _ in job.todo]
             # Layerwise: the batches of the first ``job.window`` layers now, each later one
             # as the forward reaches the layer ``job.window`` before it (``wait``).
-            self._queue_upto(job, job.window if ctx.cfg.use_layerwise else len(job.rank))
+            self._queue_upto(job, job.window if ctx.cfg.use_layerwise else len(ctx.order))
         except Exception as exc:
             self._load_failed(job, exc)
         finally:

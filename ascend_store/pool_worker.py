@@ -123,6 +123,7 @@ class PoolWorker:
             for part, t, dims in self._parts(name, tensor):
                 ctx.layouts[part] = self._layout(part, t, dims)
         ctx.order = [p for n in self.layer_ids for p in self.parts.get(n, (n,)) if p in ctx.layouts]
+        ctx.rank = {name: r for r, name in enumerate(ctx.order)}
         held = {self.layer_ids[self.layer_of(p)][0] for p in ctx.order}
         empty = sorted(set(range(len(self.kv_specs))) - held)
         if empty:  # the scheduler asks every stage for every group's object

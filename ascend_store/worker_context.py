@@ -98,6 +98,7 @@ class WorkerContext:
     codecs: dict[str, object]  # layer -> codec
     layouts: dict[str, LayerLayout] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # registered layers, in model order
+    rank: dict[str, int] = field(default_factory=dict)  # layer -> its index in ``order``
     groups: dict[int, GroupFormat] = field(default_factory=dict)  # object formats (group, shard)
     group_of: dict[str, tuple[int, int]] = field(default_factory=dict)  # layer -> (format, index in it)
     device_path: DevicePath | None = None  # the batched copy path, when on
