@@ -150,7 +150,7 @@ class DevicePath:
         counts = [len(bl.int8.obj_n) for bl in bls]
         with self.dev.use(self.load_stream):
             sums = torch.zeros((sum(counts), 2), dtype=torch.int64, device=self.dev.device)
-            if self.dev.is_accelerator:
+            if self.dev.type == "cuda":  # the kernel's index arrays (elsewhere torch ops read numpy)
                 for bl in bls:
                     int8_path.upload(bl.int8, self.dev.device)
         for bl, part in zip(bls, torch.split(sums, counts)):
@@ -171,13 +171,14 @@ class DevicePath:
             else:
                 starts = parts  # CPU: the kernel reads the arena itself
             bl.obj_base = (starts + HEADER_BYTES) // WORD  # [layer, object] payload start, words
-            if not self.dev.is_accelerator:
-                bl.sums = torch.empty((len(bl.layers), len(bl.plan.obj_of_seg), 2), dtype=torch.int64)
+            if self.dev.type != "cuda":  # torch ops stand in for the kernel (CPU, NPU)
+                bl.sums = torch.empty((len(bl.layers), len(bl.plan.obj_of_seg), 2), dtype=torch.int64,
+                                      device=self.dev.device)
                 continue
             layer_base = np.asarray([self.bases[o.name] for o in bl.layers], dtype=np.int64)
             flat += [bl.obj_base.reshape(-1), layer_base]
             rows += len(bl.layers) * len(bl.plan.obj_of_seg)
-        if not self.dev.is_accelerator:
+        if self.dev.type != "cuda":
             return
         with self.dev.use(self.load_stream):
             for bl in raw:
@@ -236,14 +237,14 @@ class DevicePath:
         SM. Elsewhere torch ops copy the pages a layer at a time (on CPU straight from the
         arena)."""
         plan = bl.plan
-        if not self.dev.is_accelerator:
-            kernels.load_rows_torch(arena.view(torch.int64), [self.words[o.name] for o in bl.layers],
+        src = self._queue_dmas(arena, bl.runs, bl.staged) if self.dev.is_accelerator else arena
+        if self.dev.type != "cuda":
+            kernels.load_rows_torch(src.view(torch.int64), [self.words[o.name] for o in bl.layers],
                                     (plan.obj_of_seg, plan.payload_word, plan.cache_word), bl.obj_base,
                                     [self.plans[o.name].origin // WORD for o in bl.layers], bl.sums,
                                     plan.seg_words)
             return bl.sums
-        staging = self._queue_dmas(arena, bl.runs, bl.staged)
-        kernels.load_rows(staging.view(torch.int64), self.base_words, plan.device_segs, bl.obj_base,
+        kernels.load_rows(src.view(torch.int64), self.base_words, plan.device_segs, bl.obj_base,
                           bl.layer_base, bl.sums, plan.seg_words)
         return bl.sums
 
