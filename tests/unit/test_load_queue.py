@@ -1,5 +1,5 @@
 """How far ahead of the forward the worker queues a load's batches (loads.py,
-``device_path.queue_window``), on the batched copy path with a real local pool.
+``device_work.queue_window``), on the batched copy path with a real local pool.
 
 A full hit (a step computing few tokens) queues every batch from ``start_load_kv``: its
 forward hides nothing. A step computing many tokens queues the first layer's batch there
