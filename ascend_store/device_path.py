@@ -293,21 +293,18 @@ class DevicePath:
                                          load=False)
                 sums = run_copy(copy, self.words[objs.name], arena.view(torch.int64), self.dev.device)
                 return QueuedSave(objs, None, sums, copy)
-            offs = np.asarray(objs.offsets, dtype=np.int64)
-            sizes = np.asarray(objs.sizes, dtype=np.int64)
-            slot = -(-sizes // WORD) * WORD
-            starts = np.cumsum(slot) - slot  # parts in staging as in the arena: headers too
-            staging = torch.empty(int(slot.sum()), dtype=torch.uint8, device=self.dev.device)
+            # The parts in staging as a load stages them (headers too: they ride along in
+            # the 2D copies and are rewritten at the commit).
+            runs, nbytes, starts = dma_plan(np.asarray(objs.offsets, dtype=np.int64)[None],
+                                            np.asarray(objs.sizes, dtype=np.int64)[None])
+            staging = torch.empty(nbytes, dtype=torch.uint8, device=self.dev.device)
             # The page shape's plan, read from where this layer's cache starts: the step's
             # layers of one shape share it, so its offsets go to the device once a step.
-            copy = objs.plan().layer(self.shapes[objs.name], starts + HEADER_BYTES, load=False)
+            copy = objs.plan().layer(self.shapes[objs.name], starts[0] + HEADER_BYTES, load=False)
             src = self.words[objs.name][plan.origin // WORD:]
             sums = run_copy(copy, src, staging.view(torch.int64), self.dev.device)
-            for first, count, pitch in dma_runs(offs, sizes):
-                # Headers ride along in the 2D copy and are rewritten at the commit.
-                width = int(slot[first])
-                self.dev.copy_2d(arena, int(offs[first]), pitch, staging, int(starts[first]), width, width,
-                                 count, self.save_stream)
+            for at, width, dst, pitch, count in runs:
+                self.dev.copy_2d(arena, dst, pitch, staging, at, width, width, count, self.save_stream)
             done = self.dev.record(self.save_stream)
         return QueuedSave(objs, done, sums, copy, staging)
 
