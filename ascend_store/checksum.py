@@ -1,8 +1,8 @@
 """The word checksum the batched copy computes on the way (``FLAG_WSUM`` in a header).
 
 Fletcher-like over a payload's 8-byte words w_i: s1 = sum(w_i), s2 = sum((i + 1) * w_i),
-mod 2**64. It is cheap on any device, the copy kernel accumulates it per segment on the way
-through, and per-segment sums combine into the object's (segments.object_sums_many). A flipped
+mod 2**64. It is cheap on any device, the copy kernels accumulate it per object on the way
+through (a segment at payload word p adds its local sums shifted by p: ``combine_sums``). A flipped
 bit changes s1; reordered words change s2; the header keeps a 32-bit mix of both. A leaf
 module: transfer.py checks it on the host, segments.py and device_path.py on the way.
 """
@@ -28,6 +28,16 @@ def fold_array(s1: np.ndarray, s2: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         h = _mix(_mix(s1) ^ s2)
     return ((h ^ (h >> _U(32))) & _U(0xFFFFFFFF)).astype(np.int64)
+
+
+def combine_sums(s1: np.ndarray, t: np.ndarray, payload_word: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Folded checksums of objects from their segments' (s1, t) word sums (uint64, along
+    the last axis), where a segment at word ``payload_word`` of its object's payload adds
+    s1 and t + payload_word * s1, and each object's segments run from its ``first`` to
+    the next one's."""
+    with np.errstate(over="ignore"):
+        s2 = t + payload_word.astype(np.uint64) * s1
+        return fold_array(np.add.reduceat(s1, first, axis=-1), np.add.reduceat(s2, first, axis=-1))
 
 
 def word_sums(rows: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ from ascend_store.device_work import BATCH_BYTES, BatchLoad, LayerObjects, Queue
 from ascend_store.segments import (
     WORD,
     dma_plan,
+    dma_plans,
     dma_runs,
     fold_alike,
     page_plan,
@@ -111,19 +112,20 @@ class DevicePath:
         """A group's layers (model order) in the batches they load in, planned: consecutive
         raw layers of one page shape and one step plan, until a batch holds
         ``BATCH_BYTES``; int8 layers alone."""
-        out: list[list[LayerObjects]] = []
+        parts = np.array([o.offsets for o in layers], dtype=np.int64).reshape(len(layers), -1)
+        sizes = np.array([o.sizes for o in layers], dtype=np.int64).reshape(parts.shape)
+        firsts: list[int] = []  # each batch's first layer
         held = 0
-        for objs in layers:
-            last = out[-1][0] if out else None
-            if (last is not None and held < BATCH_BYTES and objs.name not in self.int8
+        for i, (objs, nbytes) in enumerate(zip(layers, sizes.sum(axis=1).tolist())):
+            last = layers[firsts[-1]] if firsts else None
+            if not (last is not None and held < BATCH_BYTES and objs.name not in self.int8
                     and last.name not in self.int8 and self.shapes[objs.name] == self.shapes[last.name]
                     and objs.plan() is last.plan()):
-                out[-1].append(objs)
-            else:
-                out.append([objs])
+                firsts.append(i)
                 held = 0
-            held += int(np.sum(objs.sizes))
-        planned = [BatchLoad(b) for b in out]
+            held += nbytes
+        ends = firsts[1:] + [len(layers)]
+        planned = [BatchLoad(layers[a:b], parts[a:b], sizes[a:b]) for a, b in zip(firsts, ends)]
         self._plan_raw([bl for bl in planned if bl.layers[0].name not in self.int8])
         self._plan_int8([bl for bl in planned if bl.layers[0].name in self.int8])
         return planned
@@ -133,13 +135,8 @@ class DevicePath:
         one), and one zeroed sums tensor for all of them."""
         if not bls:
             return
-        for bl in bls:
-            objs = bl.layers[0]
-            sizes = np.asarray(objs.sizes, dtype=np.int64)
-            starts = np.asarray(objs.offsets, dtype=np.int64)
-            if self.dev.is_accelerator:
-                bl.runs, bl.staged, starts = dma_plan(starts[None], sizes[None])
-                starts = starts[0]
+        for bl, starts in zip(bls, self._plan_dmas(bls)):
+            objs, sizes, starts = bl.layers[0], bl.sizes[0], starts[0]
             layout = self.layouts[objs.name]
             per_block = self.int8[objs.name].payload_bytes(layout, 1)
             planner = objs.plan()
@@ -162,22 +159,15 @@ class DevicePath:
         if not raw:
             return
         flat, rows = [], 0
-        for bl in raw:
+        for bl, starts in zip(raw, self._plan_dmas(raw)):
             bl.plan = bl.layers[0].plan().rows(self.shapes[bl.layers[0].name])
-            parts = np.stack([np.asarray(o.offsets, dtype=np.int64) for o in bl.layers])
-            sizes = np.stack([np.asarray(o.sizes, dtype=np.int64) for o in bl.layers])
-            if self.dev.is_accelerator:
-                bl.runs, bl.staged, starts = dma_plan(parts, sizes)
-            else:
-                starts = parts  # CPU: the kernel reads the arena itself
             bl.obj_base = (starts + HEADER_BYTES) // WORD  # [layer, object] payload start, words
             if self.dev.type != "cuda":  # torch ops stand in for the kernel (CPU, NPU)
-                bl.sums = torch.empty((len(bl.layers), len(bl.plan.obj_of_seg), 2), dtype=torch.int64,
-                                      device=self.dev.device)
+                bl.sums = torch.zeros((*bl.obj_base.shape, 2), dtype=torch.int64, device=self.dev.device)
                 continue
             layer_base = np.asarray([self.bases[o.name] for o in bl.layers], dtype=np.int64)
             flat += [bl.obj_base.reshape(-1), layer_base]
-            rows += len(bl.layers) * len(bl.plan.obj_of_seg)
+            rows += bl.obj_base.size
         if self.dev.type != "cuda":
             return
         with self.dev.use(self.load_stream):
@@ -189,25 +179,33 @@ class DevicePath:
             sums = torch.zeros((rows, 2), dtype=torch.int64, device=self.dev.device)
         at = row = 0
         for bl in raw:
-            k, n, segs = bl.obj_base.size, len(bl.layers), len(bl.plan.obj_of_seg)
+            k, n = bl.obj_base.size, len(bl.layers)
+            bl.sums = sums[row:row + k].view(*bl.obj_base.shape, 2)
             bl.obj_base, bl.layer_base = bases[at:at + k].view(bl.obj_base.shape), bases[at + k:at + k + n]
-            bl.sums = sums[row:row + n * segs].view(n, segs, 2)
-            at, row = at + k + n, row + n * segs
+            at, row = at + k + n, row + k
+
+    def _plan_dmas(self, bls: list[BatchLoad]) -> list[np.ndarray]:
+        """On an accelerator, each batch's DMAs into staging; returns where each [layer,
+        object] part starts in staging (elsewhere: in the arena, which the copy reads)."""
+        if not self.dev.is_accelerator:
+            return [bl.parts for bl in bls]
+        out = []
+        for bl, (runs, staged, starts) in zip(bls, dma_plans([(bl.parts, bl.sizes) for bl in bls])):
+            bl.runs, bl.staged = runs, staged
+            out.append(starts)
+        return out
 
     def queue_batch(self, arena: torch.Tensor, bl: BatchLoad) -> QueuedLoad:
         """Queue a batch's copy from the arena into the caches (DMAs on the stage stream,
         the kernel on the load stream); the forward may use its layers once its stream
         waits on the returned ``done`` event."""
         with self.dev.use(self.load_stream):
-            if bl.int8 is not None:
-                plan, sums = None, self._load_int8(arena, bl)
-            else:
-                plan, sums = bl.plan, self._load_raw(arena, bl)
+            sums = self._load_int8(arena, bl) if bl.int8 is not None else self._load_raw(arena, bl)
             done = self.dev.record(self.load_stream)
             if self._slot is not None:
                 self._slot[1] = done  # the slot's next DMA waits for this kernel
                 self._slot = None
-            return QueuedLoad(bl.layers, done, sums, plan)
+            return QueuedLoad(bl.layers, done, sums)
 
     def check_loads(self, qs: list[QueuedLoad], verify: bool) -> list[list[list[int]]]:
         """Wait for a step's queued loads; per load, per layer, the indexes of objects whose
@@ -222,7 +220,7 @@ class DevicePath:
         if not verify:
             return out
         with self.dev.use(self.load_stream):  # on the compute stream, the copy would wait for the forward
-            got = fold_alike([(q.sums, q.plan, len(q.layers[0].offsets)) for q in qs])
+            got = fold_alike([q.sums for q in qs])
         for q, per_layer, sums in zip(qs, out, got):
             for r, objs in enumerate(q.layers):
                 if objs.stored is not None:
@@ -292,7 +290,7 @@ class DevicePath:
                 copy = objs.plan().layer(plan, np.asarray(objs.offsets, dtype=np.int64) + HEADER_BYTES,
                                          load=False)
                 sums = run_copy(copy, self.words[objs.name], arena.view(torch.int64), self.dev.device)
-                return QueuedSave(objs, None, sums, copy)
+                return QueuedSave(objs, None, sums)
             # The parts in staging as a load stages them (headers too: they ride along in
             # the 2D copies and are rewritten at the commit).
             runs, nbytes, starts = dma_plan(np.asarray(objs.offsets, dtype=np.int64)[None],
@@ -306,7 +304,7 @@ class DevicePath:
             for at, width, dst, pitch, count in runs:
                 self.dev.copy_2d(arena, dst, pitch, staging, at, width, width, count, self.save_stream)
             done = self.dev.record(self.save_stream)
-        return QueuedSave(objs, done, sums, copy, staging)
+        return QueuedSave(objs, done, sums, staging)
 
     def _save_int8(self, arena: torch.Tensor, objs: LayerObjects) -> QueuedSave:
         """Quantize a layer's blocks per size class of objects (whole-class tensor ops),
@@ -325,7 +323,7 @@ class DevicePath:
                 at = int(offsets[idx[first]]) + HEADER_BYTES
                 self.dev.copy_2d(arena, at, pitch, flat, first * width, width, width, count, self.save_stream)
             keep.append(rows)
-        return QueuedSave(objs, self.dev.record(self.save_stream), sums, None, keep)
+        return QueuedSave(objs, self.dev.record(self.save_stream), sums, keep)
 
     def finish_saves(self, qs: list[QueuedSave]) -> list[np.ndarray]:
         """``finish_save`` for a step's layers at once (one numpy pass per shared plan)."""
@@ -333,7 +331,7 @@ class DevicePath:
             if q.done is not None:
                 q.done.synchronize()
         with self.dev.use(self.save_stream):  # not behind the compute stream's queued work
-            got = fold_alike([(q.sums, q.copy, len(q.objs.offsets)) for q in qs])
+            got = fold_alike([q.sums for q in qs])
         return [g[0] for g in got]
 
     def finish_save(self, q: QueuedSave) -> list[int]:

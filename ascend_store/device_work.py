@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ascend_store.int8_path import Int8Plan
-from ascend_store.segments import CopyPlanner, LayerCopy, RowPlan, StepPages
+from ascend_store.segments import CopyPlanner, RowPlan, StepPages
 
 # Layers are added to a load batch until it holds this much: a DMA this long runs at
 # ~95% of the link (shorter ones lose to their fixed cost, docs/benchmarks.md), and each
@@ -62,14 +62,16 @@ class LayerObjects:
 @dataclass
 class BatchLoad:
     """A batch as ``batches`` plans it with the step's other batches of its group:
-    ``layers`` (int8: one layer); the DMAs into staging as (staging offset, width, arena
-    offset, pitch, rows) and the staged bytes; for raw layers the step's row plan, where
-    each [layer, object] payload starts in staging (words) and where each layer's cache
-    starts, for int8 its dequantizing plan; and the zeroed sums the kernel adds into
-    (slices of one upload and one tensor per step: a batch costs the host its DMAs, a
-    launch and two events)."""
+    ``layers`` (int8: one layer) and their parts; the DMAs into staging as (staging
+    offset, width, arena offset, pitch, rows) and the staged bytes; for raw layers the
+    step's row plan, where each [layer, object] payload starts in staging (words) and
+    where each layer's cache starts, for int8 its dequantizing plan; and the zeroed sums
+    the kernel adds into (slices of one upload and one tensor per step: a batch costs the
+    host its DMAs, a launch and two events)."""
 
     layers: list[LayerObjects]
+    parts: np.ndarray  # [layer, object] arena offsets
+    sizes: np.ndarray  # [layer, object] part sizes
     plan: RowPlan | None = None
     int8: Int8Plan | None = None  # an int8 layer's plan
     runs: list[tuple[int, int, int, int, int]] = field(default_factory=list)
@@ -83,14 +85,12 @@ class BatchLoad:
 class QueuedLoad:
     layers: list[LayerObjects]  # the batch (int8: one layer)
     done: object  # device event (None on CPU, where the copy is done on return)
-    sums: torch.Tensor  # raw: [layers, segments, 2] (fold with ``plan``); int8: [objects, 2]
-    plan: RowPlan | None
+    sums: torch.Tensor  # per object (raw: [layers, objects, 2]; int8: [objects, 2])
 
 
 @dataclass
 class QueuedSave:
     objs: LayerObjects
     done: object  # device event
-    sums: torch.Tensor
-    copy: LayerCopy | None
+    sums: torch.Tensor  # per object: [objects, 2]
     staging: object = None  # device buffers kept alive until the copy is done

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ascend_store.checksum import combine_sums
 from ascend_store.codecs import scatter_pages
-from ascend_store.segments import WORD, StepPages, combine_sums
+from ascend_store.segments import WORD, StepPages
 from ascend_store.transfer import FLAG_CRC, FLAG_WSUM, HEADER_BYTES, LayerLayout
 
 # Pages gathered, checked and scattered at once. Small enough that a paced load
@@ -130,7 +131,7 @@ def load_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, page
 
 def _check_words(rows: torch.Tensor, obj: np.ndarray, page: np.ndarray, pw: int, headers: np.ndarray,
                  wsum: np.ndarray, bad: np.ndarray, why: dict[int, str]) -> None:
-    """Each entry's word checksum from its pages' sums (``segments.combine_sums``), against
+    """Each entry's word checksum from its pages' sums (``checksum.combine_sums``), against
     its header's."""
     weights = torch.arange(1, pw + 1, dtype=torch.int64)
     s1 = rows.sum(1).numpy().view(np.uint64)  # int64 sums wrap like the uint64 ones

@@ -33,35 +33,42 @@ WORD = 8  # bytes per copied element: offsets and sizes are in 8-byte words
 if triton is not None:
 
     @triton.jit
-    def _copy_segments_sum_kernel(src, dst, src_offs, dst_offs, sums, seg_words, BLOCK: tl.constexpr):
+    def _copy_segments_sum_kernel(src, dst, src_offs, dst_offs, seg_obj, seg_payload, sums, seg_words,
+                                  BLOCK: tl.constexpr):
         seg = tl.program_id(0)
         part = tl.program_id(1)
         s = tl.load(src_offs + seg)
         d = tl.load(dst_offs + seg)
+        o = tl.load(seg_obj + seg)
+        pw = tl.load(seg_payload + seg)
         idx = part * BLOCK + tl.arange(0, BLOCK)
         mask = idx < seg_words
         w = tl.load(src + s + idx, mask=mask, other=0)
         tl.store(dst + d + idx, w, mask=mask & (d >= 0))  # d < 0: read for the checksum only
-        tl.atomic_add(sums + 2 * seg, tl.sum(w, axis=0))
-        tl.atomic_add(sums + 2 * seg + 1, tl.sum(w * (idx + 1).to(tl.int64), axis=0))
+        tl.atomic_add(sums + 2 * o, tl.sum(w, axis=0))
+        tl.atomic_add(sums + 2 * o + 1, tl.sum(w * (pw + idx + 1).to(tl.int64), axis=0))
 
 
     @triton.jit
-    def _load_rows_kernel(src, dst, seg_obj, seg_payload, seg_cache, obj_base, layer_base, sums, n_segs,
-                          n_objs, seg_words, BLOCK: tl.constexpr):
+    def _load_rows_kernel(src, dst, seg_obj, seg_payload, seg_cache, obj_base, layer_base, sums, n_objs,
+                          seg_words, BLOCK: tl.constexpr):
         seg = tl.program_id(0)
         part = tl.program_id(1)
         row = tl.program_id(2)  # a layer of the batch
-        s = tl.load(obj_base + row * n_objs + tl.load(seg_obj + seg)) + tl.load(seg_payload + seg)
+        o = tl.load(seg_obj + seg)
+        pw = tl.load(seg_payload + seg)
+        s = tl.load(obj_base + row * n_objs + o) + pw
         c = tl.load(seg_cache + seg)
         d = tl.load(layer_base + row) + c
         idx = part * BLOCK + tl.arange(0, BLOCK)
         mask = idx < seg_words
         w = tl.load(src + s + idx, mask=mask, other=0)
         tl.store(dst + d + idx, w, mask=mask & (c >= 0))  # c < 0: read for the checksum only
-        k = row * n_segs + seg
+        # The object's sums directly (word j of its payload weighs j + 1): the host folds
+        # [layers, objects] pairs, not one per segment.
+        k = row * n_objs + o
         tl.atomic_add(sums + 2 * k, tl.sum(w, axis=0))
-        tl.atomic_add(sums + 2 * k + 1, tl.sum(w * (idx + 1).to(tl.int64), axis=0))
+        tl.atomic_add(sums + 2 * k + 1, tl.sum(w * (pw + idx + 1).to(tl.int64), axis=0))
 
 
     @triton.jit
@@ -109,25 +116,27 @@ if triton is not None:
             tl.atomic_add(sums + 2 * o + 1, tl.sum(w * (idx + 1).to(tl.int64), axis=0))
 
 
-def copy_segments_sum(src, dst, src_offs: torch.Tensor, dst_offs: torch.Tensor, sums: torch.Tensor,
-                      seg_words: int, block: int = 1024, num_warps: int = 4) -> None:
-    """Copy ``len(src_offs)`` segments of ``seg_words`` 8-byte words (int64 tensors and
-    word offsets on the device) and add each segment's word sums into ``sums[seg]``:
-    (sum of w, sum of (j + 1) * w) over its words j, mod 2**64. A negative destination
-    offset reads the segment for its sums without writing it."""
-    n = src_offs.numel()
+def copy_segments_sum(src, dst, segs: torch.Tensor, sums: torch.Tensor, seg_words: int, block: int = 1024,
+                      num_warps: int = 4) -> None:
+    """Copy segments of ``seg_words`` 8-byte words (int64 tensors) and add each object's
+    payload word sums into ``sums`` [objects, 2] (zeroed): (sum of w, sum of (j + 1) * w)
+    over the payload's words j, mod 2**64. ``segs`` [4, segments] on the device: each
+    segment's source and destination word offsets, its object and its word offset in that
+    object's payload. A negative destination reads the segment for its sums only."""
+    n = segs.shape[1]
     if n == 0:
         return
     grid = (n, triton.cdiv(seg_words, block))
-    _copy_segments_sum_kernel[grid](src, dst, src_offs, dst_offs, sums, seg_words, BLOCK=block,
-                                    num_warps=num_warps)
+    _copy_segments_sum_kernel[grid](src, dst, segs[0], segs[1], segs[2], segs[3], sums, seg_words,
+                                    BLOCK=block, num_warps=num_warps)
 
 
 def load_rows(src: torch.Tensor, dst: torch.Tensor, segs: torch.Tensor, obj_base: torch.Tensor,
               layer_base: torch.Tensor, sums: torch.Tensor, seg_words: int, block: int = 1024,
               num_warps: int = 4) -> None:
     """Copy the segments of ``len(layer_base)`` layers from staged objects into their caches
-    and sum them (``sums`` [layers, segments, 2], zeroed). ``segs`` [3, segments]: each
+    and add each object's payload word sums into ``sums`` [layers, objects, 2] (zeroed;
+    (sum of w, sum of (j + 1) * w) over the payload's words j, mod 2**64). ``segs`` [3, segments]: each
     segment's object, word offset in that object's payload, and word offset in a layer's
     cache (-1: read for the checksum only); ``obj_base`` [layers, objects]: where each
     object's payload of that layer starts in ``src``; ``layer_base`` [layers]: where the
@@ -137,7 +146,7 @@ def load_rows(src: torch.Tensor, dst: torch.Tensor, segs: torch.Tensor, obj_base
     if n == 0 or rows == 0:
         return
     grid = (n, triton.cdiv(seg_words, block), rows)
-    _load_rows_kernel[grid](src, dst, segs[0], segs[1], segs[2], obj_base, layer_base, sums, n,
+    _load_rows_kernel[grid](src, dst, segs[0], segs[1], segs[2], obj_base, layer_base, sums,
                             obj_base.shape[1], seg_words, BLOCK=block, num_warps=num_warps)
 
 
@@ -174,10 +183,20 @@ def load_rows_torch(src: torch.Tensor, dsts: list[torch.Tensor], segs: tuple[np.
     """``load_rows`` with torch ops, a layer at a time: layer r's cache is the word tensor
     ``dsts[r]``, starting ``layer_base[r]`` words in; the index arrays stay in numpy."""
     seg_obj, seg_payload, seg_cache = segs
+    seg_sums = torch.empty((len(seg_obj), 2), dtype=torch.int64)
     for r, dst in enumerate(dsts):
         src_offs = obj_base[r][seg_obj] + seg_payload
         copy_segments_sum_torch(src, dst, src_offs, np.where(seg_cache >= 0, seg_cache + layer_base[r], -1),
-                                sums[r], seg_words)
+                                seg_sums, seg_words)
+        add_to_objects(seg_sums, seg_obj, seg_payload, sums[r])
+
+
+def add_to_objects(seg_sums: torch.Tensor, seg_obj: np.ndarray, seg_payload: np.ndarray,
+                   sums: torch.Tensor) -> None:
+    """Add per-segment sums (``copy_segments_sum_torch``'s) into their objects' ``sums``
+    [objects, 2], as the kernels do: a segment at payload word pw weighs its words pw more."""
+    seg_sums[:, 1] += torch.from_numpy(np.asarray(seg_payload)).to(seg_sums.device) * seg_sums[:, 0]
+    sums.index_add_(0, torch.from_numpy(np.asarray(seg_obj)).to(sums.device), seg_sums.to(sums.device))
 
 
 def _ints(offsets) -> list[int]:

@@ -314,9 +314,10 @@ class Loader:
                 blocks = [job.loads[j].block_ids for j in adm.entries.tolist()]
                 skips = [job.loads[j].skip for j in adm.entries.tolist()]
                 stored = np.where(adm.headers["flags"] & FLAG_WSUM, adm.headers["crc"].astype(np.int64), -1)
-                o, names = adm.obj, adm.step.fmt.layers
-                layers = [LayerObjects(name, adm.parts[i, o], adm.sizes[i, o], blocks, skips, [],
-                                       stored[i, o], adm.planner) for i, name in enumerate(names)]
+                o = adm.obj  # [layer, entry] columns, taken once: each layer gets a row
+                parts, sizes, stored = adm.parts[:, o], adm.sizes[:, o], stored[:, o]
+                layers = [LayerObjects(name, parts[i], sizes[i], blocks, skips, [], stored[i], adm.planner)
+                          for i, name in enumerate(adm.step.fmt.layers)]
                 job.todo += [(batch, adm) for batch in ctx.device_path.batches(layers)]
             job.todo.sort(key=lambda t: ctx.rank[t[0].layers[0].name])
             job.first = [ctx.rank[batch.layers[0].name] for batch, _ in job.todo]

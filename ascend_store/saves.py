@@ -256,19 +256,18 @@ class Saver:
             for r in job.groups.values():
                 if not r.step.fmt.fixed:
                     self._write_encoded(r)
-            done, partial, sizes = [], [], {}
+            done, partial, sizes = [], [], [np.zeros(0, dtype=np.int64)]
             for r in job.groups.values():
-                total = r.step.fmt.size(r.step.blocks)
-                for k in np.flatnonzero(r.offsets >= 0).tolist():
-                    # Commit only objects whose every layer part was written.
-                    (done if r.written[k] == len(r.step.fmt.layers) else partial).append(r.step.keys[k])
-                    sizes[r.step.keys[k]] = int(total[k])
+                held = np.flatnonzero(r.offsets >= 0)
+                whole = r.written[held] == len(r.step.fmt.layers)  # commit only objects fully written
+                done += [r.step.keys[k] for k in held[whole].tolist()]
+                partial += [r.step.keys[k] for k in held[~whole].tolist()]
+                sizes.append(r.step.fmt.size(r.step.blocks)[held[whole]])
             if partial:
                 ctx.counters["save_incomplete"] += len(partial)
                 ctx.backend.abort(partial)
-            for key, status in zip(done, ctx.backend.commit(done)):
-                if status is Status.OK:
-                    ctx.counters["saved_objects"] += 1
-                    ctx.counters["saved_bytes"] += sizes[key]
+            ok = np.fromiter((st is Status.OK for st in ctx.backend.commit(done)), dtype=bool)
+            ctx.counters["saved_objects"] += int(ok.sum())
+            ctx.counters["saved_bytes"] += int(np.concatenate(sizes)[:len(ok)][ok].sum())
         except BackendUnavailable:
             ctx.counters["save_errors"] += 1

@@ -85,7 +85,8 @@ class LayerCopy:
     seg_words: int
     obj_of_seg: np.ndarray  # which object each segment belongs to
     payload_word: np.ndarray  # each segment's word offset within its object's payload
-    device_offsets: object = None  # (src, dst) on the device, once uploaded (run_copy)
+    n_objects: int
+    device_segs: object = None  # [4, segments] on the device, once uploaded (run_copy)
 
 
 @dataclass
@@ -181,7 +182,8 @@ class CopyPlanner:
             payload, cache, obj_of_seg, seg_words = self._cache_side(plan)
             arena = (offs // WORD)[obj_of_seg] + payload
             src, dst = (arena, cache) if load else (cache, arena)
-            got = self._copies[key] = LayerCopy(src, dst, seg_words, obj_of_seg, payload)
+            got = self._copies[key] = LayerCopy(src, dst, seg_words, obj_of_seg, payload,
+                                                self.pages.n_objects)
         return got
 
 
@@ -195,45 +197,24 @@ def plan_objects(plan: PagePlan, objects: list[tuple[int, list[int], int]], load
     return CopyPlanner(pages).layer(plan, offs, load)
 
 
-def combine_sums(s1: np.ndarray, t: np.ndarray, payload_word: np.ndarray, first: np.ndarray) -> np.ndarray:
-    """Folded checksums of objects from their segments' (s1, t) word sums (uint64, along
-    the last axis), where a segment at word ``payload_word`` of its object's payload adds
-    s1 and t + payload_word * s1, and each object's segments run from its ``first`` to
-    the next one's."""
-    with np.errstate(over="ignore"):
-        s2 = t + payload_word.astype(np.uint64) * s1
-        return fold_array(np.add.reduceat(s1, first, axis=-1), np.add.reduceat(s2, first, axis=-1))
-
-
-def object_sums_many(copy: LayerCopy, seg_sums: np.ndarray, n_objects: int) -> np.ndarray:
-    """Folded checksums per object of several layers' copies that share ``copy``'s plan,
-    from the kernel's per-segment (s1, t) pairs (an object's segments are consecutive in
-    the plan): ``seg_sums`` is [layers, segments, 2]; returns [layers, objects]."""
-    layers = seg_sums.shape[0]
-    if n_objects == 0:
-        return np.zeros((layers, 0), dtype=np.int64)
-    sums = seg_sums.astype(np.int64).view(np.uint64).reshape(layers, -1, 2)
-    first = np.searchsorted(copy.obj_of_seg, np.arange(n_objects))
-    return combine_sums(sums[:, :, 0], sums[:, :, 1], copy.payload_word, first)
-
-
 def run_copy(copy: LayerCopy, src, dst, device: torch.device) -> torch.Tensor:
     """Queue the copy on the current stream (Triton on CUDA, torch ops elsewhere); returns
-    the per-segment [n, 2] int64 sums, on the copy's device, valid once the queued work is
-    done (read them with ``host_array`` then: the host never blocks here). The segment
-    offsets go to the device once per plan: the layers of a step share it."""
-    n = len(copy.src)
+    each object's payload word sums [objects, 2] (int64, on the copy's device), valid
+    once the queued work is done (read them with ``host_array`` then: the host never
+    blocks here). The segment offsets go to the device once per plan: the layers of a
+    step share it."""
+    sums = torch.zeros((copy.n_objects, 2), dtype=torch.int64, device=device)
     if device.type != "cuda":
-        sums = torch.empty((n, 2), dtype=torch.int64)  # every row is written
-        kernels.copy_segments_sum_torch(src, dst, copy.src, copy.dst, sums, copy.seg_words)
+        seg_sums = torch.empty((len(copy.src), 2), dtype=torch.int64)  # every row is written
+        kernels.copy_segments_sum_torch(src, dst, copy.src, copy.dst, seg_sums, copy.seg_words)
+        kernels.add_to_objects(seg_sums, copy.obj_of_seg, copy.payload_word, sums)
         return sums
-    sums = torch.zeros((n, 2), dtype=torch.int64, device=device)
-    if n == 0:
+    if len(copy.src) == 0:
         return sums
-    if copy.device_offsets is None:
-        copy.device_offsets = to_device(np.stack([copy.src, copy.dst]), device)
-    offs = copy.device_offsets
-    kernels.copy_segments_sum(src, dst, offs[0], offs[1], sums, copy.seg_words)
+    if copy.device_segs is None:
+        segs = np.stack([copy.src, copy.dst, copy.obj_of_seg, copy.payload_word])
+        copy.device_segs = to_device(segs, device)
+    kernels.copy_segments_sum(src, dst, copy.device_segs, sums, copy.seg_words)
     return sums
 
 
@@ -268,26 +249,18 @@ def stage_layout(parts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, ...]
     return spans, widths, staged, staged[of_row] + (parts - spans[of_row])
 
 
-def fold_alike(items: list[tuple[torch.Tensor, object, int]]) -> list[np.ndarray]:
-    """Per-object folded checksums of several copies, as [layers, objects] per item. An
-    item is (sums, plan, objects): raw sums per segment ([segments, 2], or [layers,
-    segments, 2] for a load batch) with the plan that combines them (``obj_of_seg``,
-    ``payload_word``), or int8 sums per object ([objects, 2]) and None. Items alike (one
-    plan, or int8 of one object count) come back to the host in one copy and fold in one
-    numpy pass."""
-    alike: dict[tuple, list[int]] = {}
-    for i, (_, plan, n) in enumerate(items):
-        alike.setdefault((id(plan.obj_of_seg),) if plan is not None else ("int8", n), []).append(i)
-    out: list[np.ndarray] = [np.zeros((0, 0), dtype=np.int64)] * len(items)
-    for members in alike.values():
-        _, plan, n = items[members[0]]
-        if plan is not None:
-            rows = [items[i][0].reshape(-1, *items[i][0].shape[-2:]) for i in members]
-            got = object_sums_many(plan, host_array(torch.cat(rows)), n)
-        else:
-            rows = [items[i][0][None] for i in members]
-            u = host_array(torch.cat(rows)).astype(np.int64).view(np.uint64)
-            got = fold_array(u[..., 0], u[..., 1])
+def fold_alike(sums: list[torch.Tensor]) -> list[np.ndarray]:
+    """Folded checksums of several copies' objects, [layers, objects] per copy, from their
+    payload word sums ([objects, 2], or [layers, objects, 2] for a load batch). Copies of
+    one object count come back to the host in one copy and fold in one numpy pass."""
+    alike: dict[int, list[int]] = {}
+    for i, t in enumerate(sums):
+        alike.setdefault(t.shape[-2], []).append(i)
+    out: list[np.ndarray] = [np.zeros((0, 0), dtype=np.int64)] * len(sums)
+    for n, members in alike.items():
+        rows = [sums[i].reshape(-1, n, 2) for i in members]
+        u = host_array(torch.cat(rows)).astype(np.int64).view(np.uint64)
+        got = fold_array(u[..., 0], u[..., 1])
         at = 0
         for i, r in zip(members, rows):
             out[i] = got[at:at + len(r)]
@@ -332,3 +305,21 @@ def dma_plan(parts: np.ndarray, sizes: np.ndarray) -> tuple[list, int, np.ndarra
     runs = [(int(staged[g, first]), int(slot[g, first]), int(spans[g, first]), pitch, count)
             for g in range(len(spans)) for first, count, pitch in dma_runs(spans[g], widths[g])]
     return runs, int(slot.sum()), starts
+
+
+def dma_plans(batches: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[list, int, np.ndarray]]:
+    """``dma_plan`` of each (parts, sizes). Batches laid out alike (the same sizes, and
+    parts at the same distances from their first: a step's layers of chunk objects) share
+    one plan, its arena offsets shifted: a 32K hit's 28 one-layer batches plan once."""
+    memo: dict[tuple, tuple[int, tuple]] = {}
+    out = []
+    for parts, sizes in batches:
+        origin = int(parts.flat[0]) if parts.size else 0
+        key = (parts.shape, (parts - origin).tobytes(), sizes.tobytes())
+        if key not in memo:
+            memo[key] = (origin, dma_plan(parts, sizes))
+        base, (runs, staged, starts) = memo[key]
+        d = origin - base
+        out.append(([(at, w, src + d, pitch, n) for at, w, src, pitch, n in runs], staged, starts))
+    return out
+

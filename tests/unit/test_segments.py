@@ -14,7 +14,7 @@ import torch
 
 from ascend_store.checksum import wsum_host
 from ascend_store.codecs import get_codec
-from ascend_store.segments import object_sums_many, page_plan, plan_objects, run_copy, storage_words
+from ascend_store.segments import fold_alike, page_plan, plan_objects, run_copy, storage_words
 from ascend_store.transfer import (
     HEADER_BYTES,
     CorruptObject,
@@ -64,7 +64,7 @@ def test_save_by_segments_equals_the_host_path_and_carries_its_checksum(name):
     arena = torch.zeros(2 * size + 64, dtype=torch.uint8)
     copy = plan_objects(page_plan(layout), [(64, blocks, 0)], load=False)
     sums = run_copy(copy, storage_words(cache), storage_words(arena), arena.device)
-    (wsum,) = object_sums_many(copy, sums.numpy()[None], 1)[0].tolist()
+    (wsum,) = fold_alike([sums])[0][0].tolist()
     obj = arena[64:64 + size]
     seal(obj, size - HEADER_BYTES, layout, "k", RAW, checksum=True, wsum=wsum)
     host = torch.zeros(size, dtype=torch.uint8)
@@ -90,7 +90,7 @@ def test_load_by_segments_reads_skipped_pages_for_the_checksum_only():
     assert torch.equal(target.select(block_dim, 6), cache.select(block_dim, 1))
     assert torch.equal(target.select(block_dim, 7), cache.select(block_dim, 2))
     want = wsum_host(arena[HEADER_BYTES:].numpy())
-    assert object_sums_many(copy, sums.numpy()[None], 1)[0].tolist() == [want]
+    assert fold_alike([sums])[0][0].tolist() == [want]
 
 
 def test_word_checksum_catches_every_single_bit_flip_and_reordered_words():
@@ -116,7 +116,7 @@ def test_a_damaged_segment_copied_object_is_rejected():
     arena = torch.zeros(size, dtype=torch.uint8)
     copy = plan_objects(page_plan(layout), [(0, [3, 4], 0)], load=False)
     sums = run_copy(copy, storage_words(cache), storage_words(arena), arena.device)
-    (wsum,) = object_sums_many(copy, sums.numpy()[None], 1)[0].tolist()
+    (wsum,) = fold_alike([sums])[0][0].tolist()
     seal(arena, size - HEADER_BYTES, layout, "k", RAW, checksum=True, wsum=wsum)
     arena[HEADER_BYTES + 33] ^= 0x10
     with pytest.raises(CorruptObject, match="checksum mismatch"):
@@ -149,3 +149,19 @@ def test_stage_layout_puts_every_part_where_its_batch_reads_it(gap):
         for o in range(3):
             got = staging[starts[layer, o]:starts[layer, o] + sizes[layer, o]]
             assert np.array_equal(got, arena[parts[layer, o]:parts[layer, o] + sizes[layer, o]])
+
+
+def test_batches_laid_out_alike_share_one_dma_plan_shifted():
+    """A step's one-layer batches of chunk objects sit at the same distances from their
+    first part: ``dma_plans`` plans one and shifts it; each equals planning it alone. With
+    a prompt's shorter tail object the layers' parts drift apart: each plans alone."""
+    from ascend_store.segments import dma_plan, dma_plans
+
+    part = 4096
+    objects = np.array([0, 1, 2, 5]) * 40 * part  # the last one is elsewhere in the arena
+    for blocks in ([4, 4, 4, 4], [4, 4, 4, 2]):
+        sizes = HEADER_BYTES + part * np.array(blocks)  # per object, one layer's part
+        batches = [((objects + layer * sizes)[None], sizes[None]) for layer in range(6)]
+        for (parts, sz), got in zip(batches, dma_plans(batches)):
+            want = dma_plan(parts, sz)
+            assert got[0] == want[0] and got[1] == want[1] and np.array_equal(got[2], want[2])

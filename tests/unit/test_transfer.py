@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +12,8 @@ from ascend_store.transfer import (
     HEADER_BYTES,
     CorruptObject,
     LayerLayout,
+    check_headers,
+    fingerprints,
     object_bytes,
     seal,
     seal_headers,
@@ -287,3 +290,23 @@ def test_without_checksum_payload_flip_is_not_detected():
     with pytest.raises(CorruptObject):
         read_object(obj, dl, [0, 5], 0, "other", 2, checksum=False, codec=RAW)
     assert not dst.any()
+
+
+@pytest.mark.parametrize("pos", [*range(6), *range(8, 24), 28, 29])
+def test_headers_checked_at_once_find_the_one_flipped_byte(pos):
+    # The batched load checks a step's parts in one pass, whole-array compares first:
+    # a part whose magic, version, fingerprint, length or codec differs by one bit is
+    # found among parts written as expected, and only it.
+    sl = LayerLayout.of(_fill(cpu_cache(), seed=6), NUM_BLOCKS)
+    size = object_bytes(sl, 2, RAW)
+    keys = [f"{KEY}/{i}" for i in range(6)]
+    host = np.zeros(6 * size, dtype=np.uint8)
+    offs = np.arange(6, dtype=np.int64) * size
+    seal_headers(host, offs, [size - HEADER_BYTES] * 6, keys, sl, RAW, FLAG_WSUM, [1, 2, 3, 4, 5, 6])
+    expect = np.frombuffer(fingerprints(keys, sl, RAW.name), dtype="<u8")
+    sizes, limit = np.full(6, size), np.full(6, size - HEADER_BYTES)
+    codes, h = check_headers(host, offs, sizes, expect, limit, True, RAW, wsum_later=True)
+    assert not codes.any() and h["crc"].tolist() == [1, 2, 3, 4, 5, 6]
+    host[4 * size + pos] ^= 0x01
+    codes, _ = check_headers(host, offs, sizes, expect, limit, True, RAW, wsum_later=True)
+    assert np.flatnonzero(codes).tolist() == [4]
