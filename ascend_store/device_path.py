@@ -45,7 +45,6 @@ from ascend_store.device import Device
 from ascend_store.device_work import BATCH_BYTES, BatchLoad, LayerObjects, QueuedLoad, QueuedSave
 from ascend_store.segments import (
     WORD,
-    dma_plan,
     dma_plans,
     dma_runs,
     fold_alike,
@@ -292,9 +291,10 @@ class DevicePath:
                 sums = run_copy(copy, self.words[objs.name], arena.view(torch.int64), self.dev.device)
                 return QueuedSave(objs, None, sums)
             # The parts in staging as a load stages them (headers too: they ride along in
-            # the 2D copies and are rewritten at the commit).
-            runs, nbytes, starts = dma_plan(np.asarray(objs.offsets, dtype=np.int64)[None],
-                                            np.asarray(objs.sizes, dtype=np.int64)[None])
+            # the 2D copies and are rewritten at the commit); the step's layers share a plan.
+            parts = np.asarray(objs.offsets, dtype=np.int64)[None]
+            ((runs, nbytes, starts),) = dma_plans([(parts, np.asarray(objs.sizes, dtype=np.int64)[None])],
+                                                  objs.plan().dmas)
             staging = torch.empty(nbytes, dtype=torch.uint8, device=self.dev.device)
             # The page shape's plan, read from where this layer's cache starts: the step's
             # layers of one shape share it, so its offsets go to the device once a step.

@@ -63,7 +63,7 @@ class LoadJob:
     def __init__(self, loads: list[ChunkLoad], layers: list[str]):
         self.loads = loads
         self.unplaced = {j for j, ld in enumerate(loads) if 0 in ld.block_ids}  # has vLLM's null block
-        self.events = {name: threading.Event() for name in layers}  # layer landed or queued
+        self.events = {name: threading.Event() for name in layers}  # host path: layer landed
         self.device_events: dict[str, object] = {}  # layer -> its batch's event (accelerators)
         self.awaited: object = None  # the event the compute stream waited on last
         self.compute: object = None  # the forward's stream (accelerators), looked up once
@@ -90,7 +90,8 @@ class Loader:
 
     def start(self, loads: list[ChunkLoad], new_tokens: int = 0) -> LoadJob:
         """``new_tokens``: tokens the step computes (it sets how far copies are queued ahead)."""
-        job = self.job = LoadJob(loads, self.ctx.order)
+        # On accelerators the copies are queued on this thread: no layer waits for another.
+        job = self.job = LoadJob(loads, self.ctx.order if self.ctx.device_path is None else [])
         job.window = queue_window(new_tokens, len(self.ctx.order), self.ctx.cfg.load_window)
         if self.ctx.device_path is not None:
             self._queue_device_load(job)
@@ -326,10 +327,7 @@ class Loader:
             self._queue_upto(job, job.window if ctx.cfg.use_layerwise else len(ctx.order))
         except Exception as exc:
             self._load_failed(job, exc)
-        finally:
-            for ev in job.events.values():
-                ev.set()
-            ctx.counters["load_seconds"] += time.perf_counter() - t0
+        ctx.counters["load_seconds"] += time.perf_counter() - t0
 
     def _queue_upto(self, job: LoadJob, stop: int) -> None:
         """Queue the copies of the batches whose first layer comes before rank ``stop``."""

@@ -144,6 +144,7 @@ class CopyPlanner:
         self.pages = pages
         self._cache: dict[PagePlan, tuple] = {}
         self._copies: dict[tuple, LayerCopy] = {}
+        self.dmas: dict[tuple, tuple] = {}  # the step's DMA plans (dma_plans)
 
     def _cache_side(self, plan: PagePlan):
         got = self._cache.get(plan)
@@ -307,11 +308,13 @@ def dma_plan(parts: np.ndarray, sizes: np.ndarray) -> tuple[list, int, np.ndarra
     return runs, int(slot.sum()), starts
 
 
-def dma_plans(batches: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[list, int, np.ndarray]]:
+def dma_plans(batches: list[tuple[np.ndarray, np.ndarray]],
+              memo: dict | None = None) -> list[tuple[list, int, np.ndarray]]:
     """``dma_plan`` of each (parts, sizes). Batches laid out alike (the same sizes, and
     parts at the same distances from their first: a step's layers of chunk objects) share
-    one plan, its arena offsets shifted: a 32K hit's 28 one-layer batches plan once."""
-    memo: dict[tuple, tuple[int, tuple]] = {}
+    one plan, its arena offsets shifted: a 32K hit's 28 one-layer batches plan once.
+    ``memo`` keeps the plans across calls (a step's saves come a layer at a time)."""
+    memo = {} if memo is None else memo
     out = []
     for parts, sizes in batches:
         origin = int(parts.flat[0]) if parts.size else 0

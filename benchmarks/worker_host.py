@@ -18,13 +18,16 @@ On this CPU the copy-and-sum runs as a Python loop of torch ops (about a second 
 a busy machine: ``--device-work skip`` runs the first round for real (and checks every
 loaded block), then replaces the copy with a no-op so later rounds time only the host
 and the pool. ``--checkouts A B`` measures other checkouts of the project in the same
-run (before/after), each in its own process against its own pool. The pool's round
-trips per step are counted too.
+run (before/after), each in its own process against its own pool; ``--turns N`` runs
+them in turn N times and pools their rounds, since this machine's speed drifts for
+minutes at a time (a run of one after the other can put them in different spells). The
+pool's round trips per step are counted too; the best round is printed beside the
+medians (noise only adds to a round).
 
     python benchmarks/worker_host.py [--tokens 8192 32768] [--geometry qwen2.5-7b/b16]
                                      [--copy-path batched per_block] [--repeat 5]
                                      [--device-work real|skip] [--checkouts DIR ...]
-                                     [--profile FILE]
+                                     [--turns N] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import argparse
 import cProfile
 import functools
 import itertools
+import json
 import os
 import statistics
 import subprocess
@@ -193,10 +197,11 @@ def _no_rows(src, dsts, segs, obj_base, layer_base, sums, seg_words) -> None:
     sums.zero_()
 
 
-def report(res: dict, label: str) -> None:
+def report(res: dict, label: str, warm: int = 1) -> None:
+    """``warm``: first rounds left out (they warm caches and allocators)."""
     memcpy_ms = res["memcpy"] * 1e3
     for kind in ("save", "load"):
-        rows = res[kind][1:] or res[kind]  # the first round warms caches and allocators
+        rows = res[kind][warm:] or res[kind]
         med = {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
         host = statistics.median(r["wall"] - r["device"] - r["pool"] for r in rows) * 1e3
         best = min(r["wall"] - r["device"] for r in rows) * 1e3  # this VM's noise only adds
@@ -220,12 +225,14 @@ def main() -> None:
     ap.add_argument("--label", default="this")
     ap.add_argument("--profile", metavar="FILE",
                     help="cProfile the timed steps after the first round (hooks and pool calls only)")
+    ap.add_argument("--turns", type=int, default=1,
+                    help="run the checkouts and this one in turn this many times, each in a fresh process, "
+                         "and report over all turns: this machine's speed drifts for minutes at a time")
+    ap.add_argument("--rows", help=argparse.SUPPRESS)  # a turn's process: write its results here
     args = ap.parse_args()
-    for other in args.checkouts:
-        argv = [a for a in sys.argv[1:] if a not in args.checkouts and a != "--checkouts"]
-        subprocess.run([sys.executable, __file__, *argv, "--label", os.path.basename(os.path.abspath(other))],
-                       env={**os.environ, "ASCEND_STORE_CHECKOUT": os.path.abspath(other),
-                            "PYTHONPATH": os.path.abspath(other)}, check=True)
+    if args.rows is None and (args.checkouts or args.turns > 1):
+        take_turns(args)
+        return
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     sock = tempfile.mkdtemp(prefix="ascend-store-host-") + "/pool.sock"
     need = max(GEOMETRIES[g][0] * 2 * GEOMETRIES[g][1] * GEOMETRIES[g][2] * 2 for g in args.geometry)
@@ -238,19 +245,51 @@ def main() -> None:
     for owner, name in DEVICE_WORK:
         if hasattr(owner, name):  # older checkouts sum per segment only
             timers.wrap(owner, name, "device")
+    results = []
     try:
         while not ping(sock):
             time.sleep(0.05)
         for g in args.geometry:
             for t in args.tokens:
                 for path in args.copy_path:
-                    report(run(g, t, path, args.repeat, sock, timers, args.device_work == "skip", profiler),
-                           args.label)
+                    res = run(g, t, path, args.repeat, sock, timers, args.device_work == "skip", profiler)
+                    results.append(res)
+                    if args.rows is None:
+                        report(res, args.label)
+        if args.rows is not None:
+            with open(args.rows, "w") as f:
+                json.dump(results, f)
         if profiler is not None:
             profiler.dump_stats(args.profile)
     finally:
         server.terminate()
         server.wait()
+
+
+def take_turns(args) -> None:
+    """Every checkout (``--checkouts``, then this one) in its own process and pool, in turn,
+    ``--turns`` times; each process's first round is left out, the rest pooled per case."""
+    argv = [a for a in sys.argv[1:] if a not in args.checkouts and a != "--checkouts"]
+    tmp = tempfile.mkdtemp(prefix="ascend-store-turns-")
+    pooled: dict[tuple, dict] = {}
+    for turn in range(args.turns):
+        for other in [*args.checkouts, None]:
+            label = os.path.basename(os.path.abspath(other)) if other else args.label
+            env = dict(os.environ)
+            if other:
+                env.update(ASCEND_STORE_CHECKOUT=os.path.abspath(other), PYTHONPATH=os.path.abspath(other))
+            out = os.path.join(tmp, f"{label}-{turn}.json")
+            subprocess.run([sys.executable, __file__, *argv, "--label", label, "--rows", out], env=env,
+                           check=True)
+            with open(out) as f:
+                for res in json.load(f):
+                    key = (label, res["geometry"], res["tokens"], res["copy_path"])
+                    got = pooled.setdefault(key, {**res, "save": [], "load": [], "memcpy": []})
+                    got["save"] += res["save"][1:]
+                    got["load"] += res["load"][1:]
+                    got["memcpy"].append(res["memcpy"])
+    for (label, *_), res in pooled.items():
+        report({**res, "memcpy": statistics.median(res["memcpy"])}, label, warm=0)
 
 
 if __name__ == "__main__":
