@@ -111,6 +111,8 @@ class DevicePath:
         """A group's layers (model order) in the batches they load in, planned: consecutive
         raw layers of one page shape and one step plan, until a batch holds
         ``BATCH_BYTES``; int8 layers alone."""
+        if not layers:
+            return []
         parts = np.array([o.offsets for o in layers], dtype=np.int64).reshape(len(layers), -1)
         sizes = np.array([o.sizes for o in layers], dtype=np.int64).reshape(parts.shape)
         firsts: list[int] = []  # each batch's first layer
