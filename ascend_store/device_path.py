@@ -186,13 +186,14 @@ class DevicePath:
             at, row = at + k + n, row + k
 
     def _plan_dmas(self, bls: list[BatchLoad]) -> list[np.ndarray]:
-        """On an accelerator, each batch's DMAs into staging; returns where each [layer,
-        object] part starts in staging (elsewhere: in the arena, which the copy reads)."""
+        """On an accelerator, each batch's DMAs into staging (kept in the step's planner, as
+        saves keep theirs); returns where each [layer, object] part starts in staging
+        (elsewhere: in the arena, which the copy reads)."""
         if not self.dev.is_accelerator:
             return [bl.parts for bl in bls]
         out = []
-        for bl, (runs, staged, starts) in zip(bls, dma_plans([(bl.parts, bl.sizes) for bl in bls])):
-            bl.runs, bl.staged = runs, staged
+        for bl in bls:
+            ((bl.runs, bl.staged, starts),) = dma_plans([(bl.parts, bl.sizes)], bl.layers[0].plan().dmas)
             out.append(starts)
         return out
 

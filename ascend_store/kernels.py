@@ -194,7 +194,8 @@ def load_rows_torch(src: torch.Tensor, dsts: list[torch.Tensor], segs: tuple[np.
 def add_to_objects(seg_sums: torch.Tensor, seg_obj: np.ndarray, seg_payload: np.ndarray,
                    sums: torch.Tensor) -> None:
     """Add per-segment sums (``copy_segments_sum_torch``'s) into their objects' ``sums``
-    [objects, 2], as the kernels do: a segment at payload word pw weighs its words pw more."""
+    [objects, 2], as the kernels do: a segment at payload word pw weighs its words pw more
+    (its second column is shifted in place: ``seg_sums`` is used up)."""
     seg_sums[:, 1] += torch.from_numpy(np.asarray(seg_payload)).to(seg_sums.device) * seg_sums[:, 0]
     sums.index_add_(0, torch.from_numpy(np.asarray(seg_obj)).to(sums.device), seg_sums.to(sums.device))
 

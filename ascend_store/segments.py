@@ -313,7 +313,7 @@ def dma_plans(batches: list[tuple[np.ndarray, np.ndarray]],
     """``dma_plan`` of each (parts, sizes). Batches laid out alike (the same sizes, and
     parts at the same distances from their first: a step's layers of chunk objects) share
     one plan, its arena offsets shifted: a 32K hit's 28 one-layer batches plan once.
-    ``memo`` keeps the plans across calls (a step's saves come a layer at a time)."""
+    ``memo`` keeps the plans across calls (a step's planner holds it: ``CopyPlanner.dmas``)."""
     memo = {} if memo is None else memo
     out = []
     for parts, sizes in batches:
