@@ -87,7 +87,6 @@ class DevicePath:
         self.save_stream = self.dev.stream()
         self._ring: list[list] = [[None, None], [None, None]]  # staging buffer, event of its last reader
         self._next = 0
-        self._slot: list | None = None
         self._arena: tuple[object, object, torch.Tensor] | None = None  # (epoch, view, bytes)
 
     # -- the arena ----------------------------------------------------------------
@@ -107,10 +106,13 @@ class DevicePath:
             self._arena = None
 
     # -- loads --------------------------------------------------------------------
-    def batches(self, layers: list[LayerObjects]) -> list[BatchLoad]:
+    def batches(self, layers: list[LayerObjects], arena: torch.Tensor | None = None) -> list[BatchLoad]:
         """A group's layers (model order) in the batches they load in, planned: consecutive
         raw layers of one page shape and one step plan, until a batch holds
-        ``BATCH_BYTES``; int8 layers alone."""
+        ``BATCH_BYTES``; int8 layers alone. With ``arena`` (the step's only group), the
+        first batches' DMAs are queued as soon as they are planned, one per staging
+        buffer, so the link starts while the host plans the rest (their kernels follow
+        in ``queue_batch``, in order)."""
         if not layers:
             return []
         parts = np.array([o.offsets for o in layers], dtype=np.int64).reshape(len(layers), -1)
@@ -127,6 +129,10 @@ class DevicePath:
             held += nbytes
         ends = firsts[1:] + [len(layers)]
         planned = [BatchLoad(layers[a:b], parts[a:b], sizes[a:b]) for a, b in zip(firsts, ends)]
+        self._plan_dmas(planned)
+        if arena is not None and self.dev.is_accelerator:
+            for bl in planned[:len(self._ring)]:
+                self._stage(arena, bl)
         self._plan_raw([bl for bl in planned if bl.layers[0].name not in self.int8])
         self._plan_int8([bl for bl in planned if bl.layers[0].name in self.int8])
         return planned
@@ -136,8 +142,8 @@ class DevicePath:
         one), and one zeroed sums tensor for all of them."""
         if not bls:
             return
-        for bl, starts in zip(bls, self._plan_dmas(bls)):
-            objs, sizes, starts = bl.layers[0], bl.sizes[0], starts[0]
+        for bl in bls:
+            objs, sizes, starts = bl.layers[0], bl.sizes[0], bl.starts[0]
             layout = self.layouts[objs.name]
             per_block = self.int8[objs.name].payload_bytes(layout, 1)
             planner = objs.plan()
@@ -160,9 +166,9 @@ class DevicePath:
         if not raw:
             return
         flat, rows = [], 0
-        for bl, starts in zip(raw, self._plan_dmas(raw)):
+        for bl in raw:
             bl.plan = bl.layers[0].plan().rows(self.shapes[bl.layers[0].name])
-            bl.obj_base = (starts + HEADER_BYTES) // WORD  # [layer, object] payload start, words
+            bl.obj_base = (bl.starts + HEADER_BYTES) // WORD  # [layer, object] payload start, words
             if self.dev.type != "cuda":  # torch ops stand in for the kernel (CPU, NPU)
                 bl.sums = torch.zeros((*bl.obj_base.shape, 2), dtype=torch.int64, device=self.dev.device)
                 continue
@@ -185,17 +191,15 @@ class DevicePath:
             bl.obj_base, bl.layer_base = bases[at:at + k].view(bl.obj_base.shape), bases[at + k:at + k + n]
             at, row = at + k + n, row + k
 
-    def _plan_dmas(self, bls: list[BatchLoad]) -> list[np.ndarray]:
+    def _plan_dmas(self, bls: list[BatchLoad]) -> None:
         """On an accelerator, each batch's DMAs into staging (kept in the step's planner, as
-        saves keep theirs); returns where each [layer, object] part starts in staging
+        saves keep theirs) and where each [layer, object] part starts in staging
         (elsewhere: in the arena, which the copy reads)."""
-        if not self.dev.is_accelerator:
-            return [bl.parts for bl in bls]
-        out = []
         for bl in bls:
-            ((bl.runs, bl.staged, starts),) = dma_plans([(bl.parts, bl.sizes)], bl.layers[0].plan().dmas)
-            out.append(starts)
-        return out
+            bl.starts = bl.parts
+            if self.dev.is_accelerator:
+                planned = dma_plans([(bl.parts, bl.sizes)], bl.layers[0].plan().dmas)
+                ((bl.runs, bl.staged, bl.starts),) = planned
 
     def queue_batch(self, arena: torch.Tensor, bl: BatchLoad) -> QueuedLoad:
         """Queue a batch's copy from the arena into the caches (DMAs on the stage stream,
@@ -204,9 +208,8 @@ class DevicePath:
         with self.dev.use(self.load_stream):
             sums = self._load_int8(arena, bl) if bl.int8 is not None else self._load_raw(arena, bl)
             done = self.dev.record(self.load_stream)
-            if self._slot is not None:
-                self._slot[1] = done  # the slot's next DMA waits for this kernel
-                self._slot = None
+            if bl.slot is not None:
+                bl.slot[1] = done  # the buffer's next DMA waits for this kernel
             return QueuedLoad(bl.layers, done, sums)
 
     def check_loads(self, qs: list[QueuedLoad], verify: bool) -> list[list[list[int]]]:
@@ -237,7 +240,7 @@ class DevicePath:
         SM. Elsewhere torch ops copy the pages a layer at a time (on CPU straight from the
         arena)."""
         plan = bl.plan
-        src = self._queue_dmas(arena, bl.runs, bl.staged) if self.dev.is_accelerator else arena
+        src = self._staged(arena, bl) if self.dev.is_accelerator else arena
         if self.dev.type != "cuda":
             kernels.load_rows_torch(src.view(torch.int64), [self.words[o.name] for o in bl.layers],
                                     (plan.obj_of_seg, plan.payload_word, plan.cache_word), bl.obj_base,
@@ -248,18 +251,26 @@ class DevicePath:
                           bl.layer_base, bl.sums, plan.seg_words)
         return bl.sums
 
-    def _queue_dmas(self, arena: torch.Tensor, runs: list, nbytes: int) -> torch.Tensor:
-        """Queue a batch's DMAs into the next staging buffer; the load stream waits for them."""
-        staging = self._ring_slot(nbytes)
-        for at, width, src, pitch, count in runs:
-            self.dev.copy_2d(staging, at, width, arena, src, pitch, width, count, self.stage_stream)
-        self.dev.wait(self.dev.record(self.stage_stream), self.load_stream)
-        return staging
+    def _stage(self, arena: torch.Tensor, bl: BatchLoad) -> None:
+        """Queue a batch's DMAs into the next staging buffer (on the stage stream)."""
+        bl.slot, bl.staging = self._ring_slot(bl.staged)
+        for at, width, src, pitch, count in bl.runs:
+            self.dev.copy_2d(bl.staging, at, width, arena, src, pitch, width, count, self.stage_stream)
+        bl.landed = self.dev.record(self.stage_stream)
 
-    def _ring_slot(self, nbytes: int) -> torch.Tensor:
+    def _staged(self, arena: torch.Tensor, bl: BatchLoad) -> torch.Tensor:
+        """The batch's staging buffer (its DMAs queued now unless already), with the load
+        stream waiting for them."""
+        if bl.staging is None:
+            self._stage(arena, bl)
+        self.dev.wait(bl.landed, self.load_stream)
+        return bl.staging
+
+    def _ring_slot(self, nbytes: int) -> tuple[list, torch.Tensor]:
         """The next of two staging buffers, once the kernel that last read it is done:
         while one layer's kernel reads a buffer the copy engine fills the other, so the
-        link never waits for a kernel. The buffers grow to the largest layer seen."""
+        link never waits for a kernel. The buffers grow to the largest layer seen. Slots
+        are taken in the order the batches' kernels are queued."""
         self._next = (self._next + 1) % len(self._ring)
         entry = self._ring[self._next]
         if entry[0] is None or entry[0].numel() < nbytes:
@@ -268,13 +279,12 @@ class DevicePath:
             entry[0] = torch.empty(nbytes, dtype=torch.uint8, device=self.dev.device)
         if entry[1] is not None:
             self.dev.wait(entry[1], self.stage_stream)
-        self._slot = entry
-        return entry[0][:nbytes]
+        return entry, entry[0][:nbytes]
 
     def _load_int8(self, arena: torch.Tensor, bl: BatchLoad) -> torch.Tensor:
         """Dequantize a planned int8 layer's objects into the cache (one kernel,
         int8_path.py); the payloads' word sums come back per object."""
-        src = self._queue_dmas(arena, bl.runs, bl.staged) if self.dev.is_accelerator else arena
+        src = self._staged(arena, bl) if self.dev.is_accelerator else arena
         return int8_path.load_layer(src, self.blocks_view[bl.layers[0].name], bl.int8, bl.sums)
 
     # -- saves --------------------------------------------------------------------

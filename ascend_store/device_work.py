@@ -76,6 +76,10 @@ class BatchLoad:
     int8: Int8Plan | None = None  # an int8 layer's plan
     runs: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     staged: int = 0
+    starts: np.ndarray | None = None  # [layer, object] where each part starts in staging (CPU: arena)
+    slot: list | None = None  # the staging ring's entry, once its DMAs are queued
+    staging: torch.Tensor | None = None
+    landed: object = None  # event: its DMAs are done
     obj_base: torch.Tensor | np.ndarray | None = None
     layer_base: torch.Tensor | None = None
     sums: torch.Tensor | None = None

@@ -199,16 +199,22 @@ class Loader:
             parts, part_sizes = walk_parts(host, offs, sizes, len(fmt.layers))
             whole = np.ones(len(offs), dtype=bool)
         limit = fmt.per_block[:, None] * st.blocks[None, :]
-        fps = fmt.fingerprints(st.keys, ctx.layouts, ctx.codecs[fmt.layers[0]].name)
+        fps = fmt.fingerprints(st.keys)
         codes = np.zeros(parts.shape, dtype=np.int64)
         headers = np.zeros(parts.shape, dtype=HEADER_RECORD)
         if len(used):
             part_sizes = np.where(whole[None, :], part_sizes, 0)  # a wrong-sized object fits nowhere
-            c, h = check_headers(host, parts[:, used].reshape(-1), part_sizes[:, used].reshape(-1),
-                                 fps[:, used].reshape(-1), limit[:, used].reshape(-1),
+            every = len(used) == len(st.keys)  # the common case: no column to pick or put back
+            cols = slice(None) if every else used
+            c, h = check_headers(host, parts[:, cols].reshape(-1), part_sizes[:, cols].reshape(-1),
+                                 fps[:, cols].reshape(-1), limit[:, cols].reshape(-1),
                                  ctx.cfg.verify_checksum and ctx.device_path is not None,
                                  ctx.codecs[fmt.layers[0]], wsum_later=True)
-            codes[:, used], headers[:, used] = c.reshape(len(fmt.layers), -1), h.reshape(len(fmt.layers), -1)
+            c, h = c.reshape(len(fmt.layers), -1), h.reshape(len(fmt.layers), -1)
+            if every:
+                codes, headers = c, h
+            else:
+                codes[:, used], headers[:, used] = c, h
         bad_obj = codes.any(axis=0)
         for k in np.flatnonzero(bad_obj).tolist():
             i = int(np.flatnonzero(codes[:, k])[0])
@@ -309,9 +315,10 @@ class Loader:
         try:
             arena, admitted = self._lease(job)
             job.arena = arena
+            admitted = [adm for adm in admitted if len(adm.entries)]
+            # One group (dense models): its first DMAs go out while the rest is planned.
+            early = arena if len(admitted) == 1 else None
             for adm in admitted:
-                if not len(adm.entries):
-                    continue
                 blocks = [job.loads[j].block_ids for j in adm.entries.tolist()]
                 skips = [job.loads[j].skip for j in adm.entries.tolist()]
                 stored = np.where(adm.headers["flags"] & FLAG_WSUM, adm.headers["crc"].astype(np.int64), -1)
@@ -319,7 +326,7 @@ class Loader:
                 parts, sizes, stored = adm.parts[:, o], adm.sizes[:, o], stored[:, o]
                 layers = [LayerObjects(name, parts[i], sizes[i], blocks, skips, [], stored[i], adm.planner)
                           for i, name in enumerate(adm.step.fmt.layers)]
-                job.todo += [(batch, adm) for batch in ctx.device_path.batches(layers)]
+                job.todo += [(batch, adm) for batch in ctx.device_path.batches(layers, early)]
             job.todo.sort(key=lambda t: ctx.rank[t[0].layers[0].name])
             job.first = [ctx.rank[batch.layers[0].name] for batch, _ in job.todo]
             # Layerwise: the batches of the first ``job.window`` layers now, each later one

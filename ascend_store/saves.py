@@ -128,10 +128,9 @@ class Saver:
             # Requests sharing a prefix save the same chunk in one step: once.
             steps = ctx.plan(job.saves, dedupe=True)
             for st in steps:
-                codec = ctx.codecs[st.fmt.layers[0]].name
                 job.groups[st.fmt.group] = Reserved(
                     st, np.full(len(st.keys), -1, dtype=np.int64), np.zeros(len(st.keys), dtype=np.int64),
-                    st.fmt.fingerprints(st.keys, ctx.layouts, codec),
+                    st.fmt.fingerprints(st.keys),
                     saves=[job.saves[j] for j in st.entries.tolist()])
             fixed = [job.groups[st.fmt.group] for st in steps if st.fmt.fixed]
             if fixed:  # one reserve for the whole step; variable sizes reserve at commit

@@ -40,14 +40,22 @@ class GroupFormat:
     salts: np.ndarray  # per layer: xor-ed into its parts' fingerprints
     fixed: bool  # fixed-size codec: parts at computable offsets
     source: int  # the vLLM KV cache group whose chunks it holds (a group has one format per shard)
+    shapes: list[LayerLayout]  # one layout per distinct page layout of the layers
+    shape_of: np.ndarray  # per layer: index into ``shapes``
+    codec: str  # the layers' codec, bound into their fingerprints
 
     @classmethod
     def of(cls, group: int, prefix: str, layers: list[str], ids: list, layouts: dict, codecs: dict,
            source: int | None = None):
         per_block = np.asarray([codecs[n].payload_bytes(layouts[n], 1) for n in layers], dtype=np.int64)
         before = np.concatenate([[0], np.cumsum(per_block)[:-1]]).astype(np.int64)
+        tags = [layouts[n].describe() for n in layers]
+        first = {t: i for i, t in reversed(list(enumerate(tags)))}  # each tag's first layer
+        order = list(first)
         return cls(group, prefix, layers, per_block, before, layer_salts(ids),
-                   all(codecs[n].fixed_size for n in layers), group if source is None else source)
+                   all(codecs[n].fixed_size for n in layers), group if source is None else source,
+                   [layouts[layers[first[t]]] for t in order],
+                   np.asarray([order.index(t) for t in tags], dtype=np.int64), codecs[layers[0]].name)
 
     def size(self, blocks: np.ndarray) -> np.ndarray:
         """Bytes of objects of ``blocks`` blocks (an upper bound for variable codecs)."""
@@ -62,18 +70,12 @@ class GroupFormat:
     def part_sizes(self, blocks: np.ndarray) -> np.ndarray:
         return HEADER_BYTES + self.per_block[:, None] * blocks[None, :]
 
-    def fingerprints(self, keys: list[str], layouts: dict, codec_name: str) -> np.ndarray:
+    def fingerprints(self, keys: list[str]) -> np.ndarray:
         """[layer, object] fingerprints of each part: one hash per key and page layout (a
         group's layers share one, a tuple cache's parts may not), a salt per layer."""
-        by_layout: dict[str, np.ndarray] = {}
-        rows = []
-        for name in self.layers:
-            layout = layouts[name]
-            tag = layout.describe()
-            if tag not in by_layout:
-                by_layout[tag] = np.frombuffer(fingerprints(keys, layout, codec_name), dtype="<u8")
-            rows.append(by_layout[tag])
-        return np.stack(rows) ^ self.salts[:, None]
+        per_shape = np.stack([np.frombuffer(fingerprints(keys, layout, self.codec), dtype="<u8")
+                              for layout in self.shapes])
+        return per_shape[self.shape_of] ^ self.salts[:, None]
 
 
 @dataclass

@@ -147,7 +147,7 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
         """The worker's queueing (loads.py): the batches of the first ``window`` layers
         now, each later one from the wait of the layer ``window`` before it; returns the
         queued loads and the wait to call before each layer."""
-        batches = path.batches(layers)
+        batches = path.batches(layers, arena)
         first = [names.index(b.layers[0].name) for b in batches]
         compute = path.dev.current()
         queued, events = [], {}

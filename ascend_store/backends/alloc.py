@@ -10,18 +10,22 @@ def aligned(size: int) -> int:
 
 
 class FreeList:
-    """First-fit allocator over [0, capacity) with exact-size reuse and coalescing."""
+    """First-fit allocation over [0, capacity) with exact-size reuse and coalescing. Free
+    segments are also indexed by size, so the common case of a full pool of like-sized
+    objects (a segment just freed fits the next object exactly) takes no scan."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._by_off: dict[int, int] = {0: capacity} if capacity else {}
-        self._by_end: dict[int, int] = {capacity: 0} if capacity else {}
+        self._by_off: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self._by_size: dict[int, dict[int, None]] = {}  # size -> offsets (ordered, as a set)
         self.free_bytes = capacity
+        if capacity:
+            self._add(0, capacity)
 
     def alloc(self, size: int) -> int | None:
-        off = next((o for o, s in self._by_off.items() if s == size), None)
-        if off is None:
-            off = next((o for o, s in self._by_off.items() if s >= size), None)
+        same = self._by_size.get(size)
+        off = next(iter(same)) if same else next((o for o, s in self._by_off.items() if s >= size), None)
         if off is None:
             return None
         seg = self._drop(off)
@@ -45,8 +49,13 @@ class FreeList:
     def _add(self, off: int, size: int) -> None:
         self._by_off[off] = size
         self._by_end[off + size] = off
+        self._by_size.setdefault(size, {})[off] = None
 
     def _drop(self, off: int) -> int:
         size = self._by_off.pop(off)
         del self._by_end[off + size]
+        same = self._by_size[size]
+        del same[off]
+        if not same:
+            del self._by_size[size]
         return size

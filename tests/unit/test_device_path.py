@@ -183,6 +183,55 @@ def test_a_batch_of_layers_loads_from_chunk_objects_with_one_plan(device):
     loader.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_first_batches_staged_while_the_rest_is_planned_land_in_order(device, monkeypatch):
+    """``batches(..., arena)`` queues the first batches' DMAs (one per staging buffer)
+    before planning the rest; a layer a batch (so the two buffers are reused by later
+    batches) still lands every page, and a flipped byte still fails its object only.
+    On CPU nothing is staged (the copy reads the arena)."""
+    import numpy as np
+
+    from ascend_store import device_path
+    from ascend_store.segments import CopyPlanner, StepPages
+
+    monkeypatch.setattr(device_path, "BATCH_BYTES", 1)  # every layer a batch of its own
+    torch.manual_seed(3)
+    names = [f"L{i}" for i in range(5)]
+    layouts = {n: LayerLayout(torch.randn(2, NB, T, H, D, dtype=torch.bfloat16, device=device), 1)
+               for n in names}
+    part = object_bytes(layouts["L0"], 3, RAW)
+    stride = (part * len(names) + 511) // 512 * 512
+    blocks = [[1, 4, 7], [9, 2, 3]]
+    planner = CopyPlanner(StepPages.of(blocks, [0, 0]))
+    objs = [LayerObjects(n, [c * stride + i * part for c in range(2)], [part] * 2, blocks, [0, 0],
+                         [f"k/{c}" for c in range(2)], planner=planner) for i, n in enumerate(names)]
+    path = DevicePath(torch.device(device), layouts)
+    arena = path.arena(1, mmap.mmap(-1, 2 * stride))
+    for o in objs:
+        for key, off, wsum in zip(o.keys, o.offsets, path.finish_save(path.save_layer(arena, o, None))):
+            seal(arena[off:off + part], part - HEADER_BYTES, layouts[o.name], key, RAW, True, wsum=wsum)
+    arena[objs[3].offsets[0] + HEADER_BYTES + 64] ^= 0x01  # layer L3's part of object 0
+
+    empty = {n: LayerLayout(torch.zeros_like(lay.tensor), 1) for n, lay in layouts.items()}
+    loader = DevicePath(torch.device(device), empty)
+    for o in objs:
+        _, h = header_faults(arena.numpy(), o.offsets, o.sizes, o.keys, empty[o.name], 3, True, RAW,
+                             wsum_later=True)
+        o.stored = np.where(h["flags"] & FLAG_WSUM, h["crc"].astype(np.int64), -1)
+    batches = loader.batches(objs, arena)
+    staged = [b.staging is not None for b in batches]
+    assert staged == ([True, True, False, False, False] if device != "cpu" else [False] * 5)
+    queued = [loader.queue_batch(arena, b) for b in batches]
+    assert loader.check_loads(queued, True) == [[[]], [[]], [[]], [[0]], [[]]]
+    for o in objs:
+        for c, bl in enumerate(blocks):
+            if not (o.name == "L3" and c == 0):
+                for b in bl:
+                    assert torch.equal(empty[o.name].page(b), layouts[o.name].page(b))
+    path.close()
+    loader.close()
+
+
 def test_equally_spaced_parts_move_as_one_2d_copy_each_run():
     """A layer's parts of chunk objects saved side by side are one 2D DMA; a size or a
     distance that changes starts another run, and every run has one pitch."""
