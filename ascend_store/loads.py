@@ -312,6 +312,10 @@ class Loader:
         compared at the end of the step (``_check_device_load``)."""
         ctx = self.ctx
         t0 = time.perf_counter()
+        dp = ctx.device_path
+        # The copies write blocks that work already queued on the compute stream may still
+        # use (a preempted request's last step, with async scheduling): they come after it.
+        dp.dev.wait(dp.dev.record(), dp.load_stream)
         try:
             arena, admitted = self._lease(job)
             job.arena = arena

@@ -94,6 +94,7 @@ class PoolWorker:
         self.state_copies: DeferredStateCopies | None = None
         self.parts: dict[str, list[str]] = {}  # layer -> its parts (tuple caches, head slices)
         self._step_loads = False
+        self._begun: StepMetadata | None = None  # the step whose loads started
         self._waited: set[str] = set()
         self.load_step_layers: deque[int] = deque(maxlen=4096)  # layers that waited, per loading step
         self._pool_stats_at = 0.0
@@ -248,18 +249,35 @@ class PoolWorker:
         self.saver.drain()
         # vLLM queues the hybrid state copy after this call and before start_load_kv.
         self._step_loads = bool(meta is not None and getattr(meta, "loads", None))
+        if isinstance(meta, StepMetadata) and self.starts_early():
+            # vLLM's runner calls this first in the step, then prepares its inputs (6 ms
+            # at 32K tokens): the step's loads start now, so the link runs meanwhile.
+            self._begin(meta)
 
     def start_load_kv(self, meta: StepMetadata) -> None:
         self.saver.drain()
+        job = self._begin(meta)
+        if job is not None and not self.cfg.use_layerwise:
+            self.loader.finish(job)
+            self._run_state_copies()
+
+    def starts_early(self) -> bool:
+        """Loads start in ``handle_preemptions`` only where a copy engine moves them beside
+        the host's work. The host path's copies would take the same cores (and the GIL)
+        from the runner's input preparation, and would race a hybrid model's state copy
+        that vLLM queues in between (deferred only once this step's loads are known)."""
+        dp = self.ctx.device_path
+        return dp is not None and dp.dev.is_accelerator
+
+    def _begin(self, meta: StepMetadata):
+        """Start the step's loads once (from whichever hook comes first); the job or None."""
+        if meta is self._begun:
+            return self.loader.job if meta.loads else None
+        self._begun = meta
         self.counters["steps"] += 1
         if meta.async_loads:
             self.async_loads.start(meta.async_loads)
-        if not meta.loads:
-            return
-        job = self.loader.start(meta.loads, meta.new_tokens)
-        if not self.cfg.use_layerwise:
-            self.loader.finish(job)
-            self._run_state_copies()
+        return self.loader.start(meta.loads, meta.new_tokens) if meta.loads else None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._waits += 1
@@ -301,6 +319,7 @@ class PoolWorker:
             self.load_step_layers.append(len(self._waited))
         self._waits = self._saves = 0
         self._waited = set()
+        self._begun = None
         rpcs = self.backend.rpcs
         self.counters["max_rpcs_per_step"] = max(self.counters["max_rpcs_per_step"], rpcs - self._rpcs_seen)
         self._rpcs_seen = rpcs

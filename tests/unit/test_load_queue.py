@@ -1,7 +1,9 @@
 """How far ahead of the forward the worker queues a load's batches (loads.py,
 ``device_work.queue_window``), on the batched copy path with a real local pool.
 
-A full hit (a step computing few tokens) queues every batch from ``start_load_kv``: its
+A full hit (a step computing few tokens) queues every batch when the step's loads start
+(on an accelerator ``handle_preemptions``, the runner's first call of a step; else
+``start_load_kv``): its
 forward hides nothing. A step computing many tokens queues the first layer's batch there
 and each next one from the wait of the layer before it, so the forward's first kernel is
 not held back by the host work of every batch. Either way every block lands. On CPU the
@@ -29,9 +31,14 @@ LAYERS, BLOCK = 4, 16
 CHUNK_BLOCKS = 256 // BLOCK
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["host", "copy-engine"])
 @pytest.mark.parametrize("new_tokens, at_start", [(1, LAYERS), (2048, 1)])
-def test_a_long_step_queues_each_batch_from_the_wait_before_it(pool, monkeypatch, new_tokens, at_start):
+def test_a_long_step_queues_each_batch_from_the_wait_before_it(pool, monkeypatch, new_tokens, at_start,
+                                                              early):
     monkeypatch.setattr(device_path, "BATCH_BYTES", 1)  # every layer a batch of its own
+    # On CPU the loads start in start_load_kv; where a copy engine runs (forced here, as
+    # on an accelerator) they start in handle_preemptions, and only once a step.
+    monkeypatch.setattr(PoolWorker, "starts_early", lambda self: early)
     vllm_config, kv_cache_config, caches = engine_parts(LAYERS, 2, 64, BLOCK, 4 * CHUNK_BLOCKS + 1)
     cfg = StoreConfig.parse({"copy_path": "batched", "local": {"socket": pool.socket, "start": "never"}})
     worker = PoolWorker(vllm_config, kv_cache_config, cfg, "kv_both")
@@ -47,10 +54,15 @@ def test_a_long_step_queues_each_batch_from_the_wait_before_it(pool, monkeypatch
 
     load = StepMetadata(loads=[ChunkLoad("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(dst))],
                         new_tokens=new_tokens)
-    worker.handle_preemptions(load)
-    worker.start_load_kv(load)
+    steps = worker.counters.total["steps"]
+    worker.handle_preemptions(load)  # vLLM's runner calls it first in a step
+    early_job = worker.loader.job
+    assert (early_job is not None) == early
+    worker.start_load_kv(load)  # the same step: nothing starts twice
     job = worker.loader.job
+    assert job is early_job or not early
     assert len(job.todo) == LAYERS  # one batch per layer
+    assert worker.counters.total["steps"] == steps + 1
     queued = [job.next]
     for name in worker.order:
         worker.wait_for_layer_load(name)
