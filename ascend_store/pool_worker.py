@@ -57,6 +57,13 @@ def _has_preemption_hook() -> bool:
     return False
 
 
+def zeroes_new_blocks(kv_cache_config) -> bool:
+    """Whether vLLM zeroes a step's new blocks on the compute stream after
+    ``handle_preemptions`` (hybrid models, mixed precisions): a load started before then
+    could be wiped. A vLLM without the property zeroes nothing."""
+    return bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+
+
 class PoolWorker:
     def __init__(self, vllm_config, kv_cache_config, cfg: StoreConfig, kv_role: str):
         self.cfg = cfg
@@ -81,6 +88,7 @@ class PoolWorker:
         # Linear-attention layers: one state object per chunk boundary, always raw bytes.
         self.state_layers = {n for n, (g, _) in self.layer_ids.items() if kinds[g] == STATE}
         self.num_blocks = kv_cache_config.num_blocks
+        self.zeroes_new_blocks = zeroes_new_blocks(kv_cache_config)
         self.backend = create_backend(cfg, role="worker")
         self.counters = IntervalCounters()
         self.ctx = WorkerContext(
@@ -263,11 +271,13 @@ class PoolWorker:
 
     def starts_early(self) -> bool:
         """Loads start in ``handle_preemptions`` only where a copy engine moves them beside
-        the host's work. The host path's copies would take the same cores (and the GIL)
-        from the runner's input preparation, and would race a hybrid model's state copy
-        that vLLM queues in between (deferred only once this step's loads are known)."""
+        the host's work, and only when vLLM does not zero the step's new blocks after that
+        hook (the load stream follows the compute stream's work queued when the load
+        starts: from ``start_load_kv`` that includes the zeroing). The host path's copies
+        would take the same cores (and the GIL) from the runner's input preparation, and
+        would race a hybrid model's state copy that vLLM queues in between."""
         dp = self.ctx.device_path
-        return dp is not None and dp.dev.is_accelerator
+        return dp is not None and dp.dev.is_accelerator and not self.zeroes_new_blocks
 
     def _begin(self, meta: StepMetadata):
         """Start the step's loads once (from whichever hook comes first); the job or None."""

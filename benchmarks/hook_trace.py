@@ -22,7 +22,8 @@ ENV = "ASCEND_TRACE_DIR"
 # More calls to time, "module:Class.method,...": they show as "x.Class.method", folded per step.
 EXTRA = "ASCEND_TRACE_EXTRA"
 CONNECTOR_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                   "update_connector_output", "request_finished", "start_load_kv", "wait_for_layer_load",
+                   "update_connector_output", "request_finished", "handle_preemptions", "start_load_kv",
+                   "wait_for_layer_load",
                    "save_kv_layer", "wait_for_save", "get_finished", "get_block_ids_with_load_errors",
                    "build_connector_worker_meta", "get_kv_connector_stats")
 _out = None

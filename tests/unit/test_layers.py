@@ -49,3 +49,20 @@ def test_unsupported_groups_stop_the_engine_by_name():
     for bad, match in cases:
         with pytest.raises(ConfigError, match=match):
             group_kinds(SimpleNamespace(kv_cache_groups=[_group(full), _group(bad)]))
+
+
+def test_vllm_zeroes_new_blocks_of_hybrid_models_so_their_loads_start_late():
+    """vLLM zeroes a hybrid model's new blocks after handle_preemptions: its loads must
+    not start there (PoolWorker.starts_early), or the zeroing could land after them."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from ascend_store.pool_worker import zeroes_new_blocks
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,), mamba_cache_mode="align")
+    dense = KVCacheConfig(8, [], [KVCacheGroupSpec(["model.layers.0.attn"], full)])
+    hybrid = KVCacheConfig(8, [], [KVCacheGroupSpec(["model.layers.0.linear_attn"], mamba),
+                                   KVCacheGroupSpec(["model.layers.1.attn"], full)])
+    assert not zeroes_new_blocks(dense)
+    assert zeroes_new_blocks(hybrid)
