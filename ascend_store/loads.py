@@ -313,8 +313,7 @@ class Loader:
         ctx = self.ctx
         t0 = time.perf_counter()
         dp = ctx.device_path
-        # The copies write blocks that work already queued on the compute stream may still
-        # use (a preempted request's last step, with async scheduling): they come after it.
+        # After the compute stream's queued work: vLLM's zeroing of new blocks, a last step.
         dp.dev.wait(dp.dev.record(), dp.load_stream)
         try:
             arena, admitted = self._lease(job)
