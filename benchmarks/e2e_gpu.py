@@ -2,31 +2,29 @@
 
 For a random-weight Llama of a given geometry (vLLM's dummy weights, the same in every
 engine), prompts of 4K/16K/32K random tokens, ``max_tokens=1``, each configuration in a
-fresh engine process:
-  recompute      no connector, prefix caching off
-  device-hit     no connector, vLLM's device prefix cache kept: the floor of any hit
-  native         vLLM's CPU offloading (kv_offloading_backend="native"), device prefix
-                 cache reset before each repetition, so the hit comes from host memory
-  lmcache        LMCache (LMCacheConnectorV1, local CPU backend), prefix cache reset likewise
-  ascend-*       this connector on the embedded pool, prefix cache reset likewise:
-                 layerwise on/off, codec raw/int8
-Every configuration runs with vLLM's prefix caching on, as users run it (recompute: off).
-Each prompt is sent once to fill the cache, then once more untimed (warm-up), then timed
-over ``--reps`` repetitions (median and p90 reported, every repetition kept in the JSON).
-``--concurrent 16`` adds the concurrent variant: 16 requests at once
-sharing 90% of a prompt already sent, with TTFT p50/p90 and requests per second. The
-first sampled token of every configuration is compared with recompute's. The link floor
-is the KV bytes of the prompt over the pinned-copy bandwidth measured here.
+fresh engine process: recompute (no connector, prefix caching off), device-hit (vLLM's
+device prefix cache kept: the floor of any hit), native (vLLM's CPU offloading), lmcache
+(LMCacheConnectorV1, local CPU backend) and ascend-* (this connector on the embedded pool,
+layerwise on/off, codec raw/int8). All but recompute run with vLLM's prefix caching on, as
+users run it, reset before each repetition where the hit must come from host memory.
+Each prompt is sent once to fill the cache, once more untimed (warm-up), then timed over
+``--reps`` repetitions (median and p90; every repetition kept in the JSON).
+``--concurrent 16`` adds 16 requests at once sharing 90% of a prompt already sent (TTFT
+p50/p90, requests per second). The first sampled token of every configuration is compared
+with recompute's. The link floor is the prompt's KV bytes over the pinned-copy bandwidth
+measured here. Fresh engines of one configuration differ more than the repetitions inside
+one engine: ``--rounds 3`` runs every configuration three times round robin, each in a
+fresh engine, and pools every repetition of every round (``--tag r4`` in a later call
+adds a round; ``--merge`` pools them).
 
 Needs vLLM (on the GPU machine: the offline kit of ../shared/gpu-kit) and, for lmcache,
 LMCache 0.5.3:  python benchmarks/e2e_gpu.py --geometry 1b 7b --json out.json
 Tables and a PNG from saved results (later files win per configuration), anywhere:
     python benchmarks/e2e_gpu.py --merge a.json b.json --plot e2e.png
-Where a configuration's time goes: ``--trace`` loads ``hook_trace.py`` as a vLLM plugin in
-every engine process and keeps, per timed hit, the engine core's steps, scheduler calls,
-calls into the worker, the wait for the sampled token and every connector hook on one
-clock with the request's send and receive (JSON; a median timeline is printed). It works
-with the engine core in its own process (the default, as users run it) or, with
+``--trace`` loads ``hook_trace.py`` as a vLLM plugin in every engine process and keeps,
+per timed hit, the engine core's steps, scheduler calls, calls into the worker, the wait
+for the sampled token and every connector hook on one clock with the request's send and
+receive (JSON; a median timeline is printed), the engine core in its own process or, with
 ``--inprocess``, on the caller's thread. ``--profile DIR`` runs in one process and writes
 a cProfile summary of the timed repetitions per prompt length to DIR. In-process TTFTs
 lack the IPC and, with ``--profile``, carry the profiler's overhead: compare
@@ -42,6 +40,8 @@ import json
 import os
 import pstats
 import random
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +52,7 @@ REPO = os.path.dirname(HERE)
 # name: (layers, hidden, heads, kv heads, head dim, ffn)
 GEOMETRIES = {"1b": (16, 2048, 32, 8, 64, 8192), "7b": (28, 3584, 28, 4, 128, 18944),
               "tiny": (2, 256, 4, 2, 64, 512)}  # tiny: a smoke run of this script on CPU
+ROUND = re.compile(r"(.+?)[@-]r\d+")  # a round's key: what it pools into, then @r1 or -r1
 ASCEND = {"kv_connector": "AscendStoreConnector", "kv_connector_module_path": "ascend_store.connector",
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 CONFIGS = {
@@ -151,6 +152,8 @@ def child(spec: dict) -> None:
 
             time.sleep(0.2)  # the engine core's last step flushes its events
             out[n]["trace"] = hook_trace.timelines(spec["trace"], windows)
+            if os.environ.get(hook_trace.SAMPLE):
+                out[n]["samples"] = hook_trace.samples(spec["trace"], windows)
         if prof:
             write_profile(prof, os.path.join(spec["profile"], f"{spec['name']}-{n // 1024}K.txt"),
                           spec["reps"])
@@ -197,6 +200,31 @@ def concurrent(llm, spec: dict, conf: dict, params) -> dict:
             "req_per_s": k / wall, "cached": [o.num_cached_tokens or 0 for o in outs]}
 
 
+def pool_rounds(results: dict) -> None:
+    """Pools a configuration's rounds (``name@r1``.., ``name@tag-r1``..) into ``name``
+    (``name@tag``): one median and p90 over all their repetitions, each round's median kept."""
+    groups: dict[str, list[dict]] = {}
+    for key, r in results["runs"].items():
+        m = ROUND.fullmatch(key)
+        if m and "error" not in r:
+            groups.setdefault(m.group(1), []).append(r)
+    for key, rs in groups.items():
+        pooled: dict = {"rounds": len(rs)}
+        for n in [k for k in rs[0] if k.isdigit() and all(k in r for r in rs)]:
+            times = sorted(t for r in rs for t in r[n]["all_ms"])
+            pooled[n] = {"ttft_ms": times[len(times) // 2],  # as one engine's: the upper median, and
+                         "p90_ms": times[min(len(times) - 1, int(0.9 * len(times)))],  # a p90 of 5 is the max
+                         "all_ms": times, "round_ms": [r[n]["ttft_ms"] for r in rs],
+                         "first_token": rs[0][n]["first_token"],
+                         **{k: [x for r in rs for x in r[n][k]] for k in ("token", "cached")}}
+        conc = [r["concurrent"] for r in rs if "concurrent" in r]
+        if conc:
+            keys = ("ttft_p50_ms", "ttft_p90_ms", "req_per_s")
+            pooled["concurrent"] = {**conc[0], "rounds": conc, **{k: statistics.median(c[k] for c in conc)
+                                                                   for k in keys}}
+        results["runs"][key] = pooled
+
+
 def link_gbs() -> float:
     import torch
 
@@ -223,12 +251,21 @@ def report(results: dict, tokens: list[int]) -> None:
         base = runs.get("recompute", {})
         print(f"{geometry}: TTFT ms " + " ".join(f"{n // 1024:>7}K" for n in tokens) + "   same token")
         for name, r in runs.items():
-            if "error" in r:
+            if "error" in r or ROUND.fullmatch(name):  # shown pooled, with each round's median
                 continue
             same = all(r[str(n)]["token"][0] == base[str(n)]["token"][0] for n in tokens if str(n) in base)
             print(f"  {name:<22}" + " ".join(f"{r[str(n)]['ttft_ms']:8.1f}" for n in tokens) + f"   {same}")
             if all("p90_ms" in r[str(n)] for n in tokens):
                 print(f"  {'  p90':<22}" + " ".join(f"{r[str(n)]['p90_ms']:8.1f}" for n in tokens))
+            if all("round_ms" in r[str(n)] for n in tokens):
+                print(f"  {'  rounds':<22}" + " ".join(
+                    f"{'/'.join(f'{t:.0f}' for t in r[str(n)]['round_ms']):>8}" for n in tokens))
+            if "concurrent" in r:
+                c = r["concurrent"]
+                each = "/".join(f"{x['req_per_s']:.1f}" for x in c.get("rounds", []))
+                print(f"    {c['requests']} at once: p50 {c['ttft_p50_ms']:.0f} ms, "
+                      f"p90 {c['ttft_p90_ms']:.0f} ms, {c['req_per_s']:.2f} req/s"
+                      + (f" (rounds {each})" if each else ""))
         floor = [n * 2 * layers * kv * hd * 2 / gbs / 1e6 for n in tokens]
         print(f"  {'link floor':<22}" + " ".join(f"{f:8.1f}" for f in floor))
 
@@ -274,6 +311,13 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true",
                     help="record where each timed hit's time goes in every engine process")
     ap.add_argument("--inprocess", action="store_true", help="run the engine core on the caller's thread")
+    ap.add_argument("--env", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="set in every engine's environment (e.g. VLLM_USE_V2_MODEL_RUNNER=0)")
+    ap.add_argument("--tag", help="suffix of the configurations' names in the results (name@tag); "
+                    "a tag r<N> makes the run a round of that configuration (see --rounds)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every configuration this many times round robin, each in a fresh engine, "
+                         "and pool the rounds (name@r1.. and the pooled name)")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
@@ -286,6 +330,7 @@ def main() -> None:
                 saved = json.load(f)
             results["link_gbs"] = saved["link_gbs"]
             results["runs"].update(saved["runs"])
+        pool_rounds(results)
         report(results, args.tokens)
         if args.plot:
             plot(results, args.tokens, args.plot)
@@ -296,65 +341,74 @@ def main() -> None:
     gbs = link_gbs()
     print(f"pinned host->device copy: {gbs:.1f} GB/s", flush=True)
     results = {"link_gbs": gbs, "runs": {}}
+    rounds = ([f"{args.tag}-r{i + 1}" if args.tag else f"r{i + 1}" for i in range(args.rounds)]
+              if args.rounds > 1 else [args.tag])
+    for geometry, tag, name in [(g, t, c) for g in args.geometry for t in rounds for c in args.configs]:
+        tmp = tempfile.mkdtemp(prefix="ascend-e2e-")
+        spec = {"config": name, "model": model_dir(geometry), "tokens": args.tokens, "reps": args.reps,
+                "tmp": tmp, "gpu": gbs == gbs, "concurrent": args.concurrent,
+                "concurrent_tokens": args.concurrent_tokens, "name": f"{geometry}-{name}",
+                "profile": args.profile and os.path.abspath(args.profile),
+                "trace": args.trace and os.path.join(tmp, "trace")}
+        path = [REPO, os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, **CONFIGS[name].get("env", {}), **dict(e.split("=", 1) for e in args.env)}
+        if args.trace:
+            import hook_trace
+
+            os.makedirs(spec["trace"])
+            path += [HERE, hook_trace.plugin_path(os.path.join(tmp, "plugin"))]
+            env[hook_trace.ENV] = spec["trace"]
+        env["PYTHONPATH"] = os.pathsep.join(path)
+        if args.inprocess or args.profile:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
+                                  capture_output=True, text=True, timeout=args.timeout)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            got = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-3000:]}
+            # The engine's own log (which copy path the connector took, warnings).
+            got["log"] = [ln for ln in proc.stderr.splitlines() if "ascend" in ln.lower()][-40:]
+        except subprocess.TimeoutExpired as exc:
+            got = {"error": f"timeout after {args.timeout}s: {(exc.stderr or b'')[-2000:]!r}"}
+        got["wall_s"] = time.perf_counter() - t0
+        results["runs"][f"{geometry}/{name}" + (f"@{tag}" if tag else "")] = got
+        if "error" in got:
+            print(f"{geometry:>3} {name:<22} FAILED: {got['error'][-1500:]}", flush=True)
+        else:
+            cells = " ".join(f"{n // 1024}K {got[str(n)]['ttft_ms']:7.1f} ms "
+                             f"(hit {got[str(n)]['cached'][0]})" for n in args.tokens)
+            print(f"{geometry:>3} {name:<22} {cells}", flush=True)
+            for n in args.tokens:
+                if "trace" in got[str(n)]:
+                    import hook_trace
+
+                    print(f"    {n // 1024}K, median over the timed hits:\n      "
+                          + "\n      ".join(hook_trace.summary(got[str(n)]["trace"])), flush=True)
+                    for stack, count in got[str(n)].get("samples", [])[:12]:
+                        print(f"      {count:5d}  {stack[:160]}", flush=True)
+            if "concurrent" in got:
+                c = got["concurrent"]
+                print(f"{'':>3} {'':<22} {c['requests']} at once, {c['tokens']} tokens: TTFT p50 "
+                      f"{c['ttft_p50_ms']:.1f} ms, p90 {c['ttft_p90_ms']:.1f} ms, "
+                      f"{c['req_per_s']:.2f} req/s", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    pool_rounds(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     for geometry in args.geometry:
         layers, _, _, kv, hd, _ = GEOMETRIES[geometry]
         kv_per_token = 2 * layers * kv * hd * 2
-        for name in args.configs:
-            tmp = tempfile.mkdtemp(prefix="ascend-e2e-")
-            spec = {"config": name, "model": model_dir(geometry), "tokens": args.tokens, "reps": args.reps,
-                    "tmp": tmp, "gpu": gbs == gbs, "concurrent": args.concurrent,
-                    "concurrent_tokens": args.concurrent_tokens, "name": f"{geometry}-{name}",
-                    "profile": args.profile and os.path.abspath(args.profile),
-                    "trace": args.trace and os.path.join(tmp, "trace")}
-            path = [REPO, os.environ.get("PYTHONPATH", "")]
-            env = {**os.environ, **CONFIGS[name].get("env", {})}
-            if args.trace:
-                import hook_trace
-
-                os.makedirs(spec["trace"])
-                path += [HERE, hook_trace.plugin_path(os.path.join(tmp, "plugin"))]
-                env[hook_trace.ENV] = spec["trace"]
-            env["PYTHONPATH"] = os.pathsep.join(path)
-            if args.inprocess or args.profile:
-                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            t0 = time.perf_counter()
-            try:
-                proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
-                                      capture_output=True, text=True, timeout=args.timeout)
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                got = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-3000:]}
-                # The engine's own log (which copy path the connector took, warnings).
-                got["log"] = [ln for ln in proc.stderr.splitlines() if "ascend" in ln.lower()][-40:]
-            except subprocess.TimeoutExpired as exc:
-                got = {"error": f"timeout after {args.timeout}s: {(exc.stderr or b'')[-2000:]!r}"}
-            got["wall_s"] = time.perf_counter() - t0
-            results["runs"][f"{geometry}/{name}"] = got
-            if "error" in got:
-                print(f"{geometry:>3} {name:<22} FAILED: {got['error'][-1500:]}", flush=True)
-            else:
-                cells = " ".join(f"{n // 1024}K {got[str(n)]['ttft_ms']:7.1f} ms "
-                                 f"(hit {got[str(n)]['cached'][0]})" for n in args.tokens)
-                print(f"{geometry:>3} {name:<22} {cells}", flush=True)
-                for n in args.tokens:
-                    if "trace" in got[str(n)]:
-                        import hook_trace
-
-                        print(f"    {n // 1024}K, median over the timed hits:\n      "
-                              + "\n      ".join(hook_trace.summary(got[str(n)]["trace"])), flush=True)
-                if "concurrent" in got:
-                    c = got["concurrent"]
-                    print(f"{'':>3} {'':<22} {c['requests']} at once, {c['tokens']} tokens: TTFT p50 "
-                          f"{c['ttft_p50_ms']:.1f} ms, p90 {c['ttft_p90_ms']:.1f} ms, "
-                          f"{c['req_per_s']:.2f} req/s", flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=1)
         base = results["runs"].get(f"{geometry}/recompute", {})
         for n in args.tokens:
             floor = n * kv_per_token / gbs / 1e6
             same = {name: r[str(n)]["token"][0] == base[str(n)]["token"][0]
                     for key, r in results["runs"].items() if key.startswith(geometry + "/")
-                    for name in [key.split("/")[1]] if "error" not in r and str(n) in base}
+                    for name in [key.split("/")[1]] if "error" not in r and str(n) in base
+                    and not ROUND.fullmatch(key)}
             print(f"{geometry} {n // 1024}K: link floor {floor:.1f} ms; "
                   f"same first token as recompute: {same}")
     report(results, args.tokens)

@@ -8,6 +8,11 @@ executor's calls into the worker, the wait for the sampled token, and every conn
 ``name start end`` lines to ``$ASCEND_TRACE_DIR/<pid>.trace``; times are ``perf_counter``
 seconds, CLOCK_MONOTONIC on Linux, so one clock for every process of the machine and the
 front end's request interval lines up with the engine core's events.
+
+``ASCEND_TRACE_SAMPLE_MS=0.5`` also samples, every that many ms, the Python stack of the
+thread inside the worker's ``execute_model`` (input preparation, hooks, forward): where
+its host time goes, including waits in C calls (shown as the Python line that made them).
+The sampler takes the GIL for ~10 us a sample, so it slows what it measures a little.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 ENV = "ASCEND_TRACE_DIR"
 # More calls to time, "module:Class.method,...": they show as "x.Class.method", folded per step.
@@ -26,8 +32,10 @@ CONNECTOR_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "bu
                    "wait_for_layer_load",
                    "save_kv_layer", "wait_for_save", "get_finished", "get_block_ids_with_load_errors",
                    "build_connector_worker_meta", "get_kv_connector_stats")
+SAMPLE = "ASCEND_TRACE_SAMPLE_MS"
 _out = None
 _pid = 0
+_busy: list[int] = []  # the thread inside the worker's execute_model
 
 
 def record(name: str, t0: float, t1: float) -> None:
@@ -48,6 +56,37 @@ def timed(fn, name: str):
             record(name, t0, time.perf_counter())
             _out.flush()  # a write of a few us: the front end reads the files while the engine runs
     return run
+
+
+def _sampled(fn):
+    """``execute_model`` with its thread sampled while inside (a sampler per process)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not getattr(run, "sampler", None):
+            every = float(os.environ[SAMPLE]) / 1e3
+            run.sampler = threading.Thread(target=_sample, args=(every,), daemon=True)
+            run.sampler.start()
+        _busy.append(threading.get_ident())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _busy.pop()
+    return run
+
+
+def _sample(interval: float, depth: int = 5) -> None:
+    while True:
+        time.sleep(interval)
+        if not _busy:
+            continue
+        frame = sys._current_frames().get(_busy[-1])
+        where = []
+        while frame is not None and len(where) < depth:
+            code = frame.f_code
+            where.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno}:{code.co_name}")
+            frame = frame.f_back
+        t = time.perf_counter()
+        record("S|" + "<".join(where), t, t)
 
 
 def _connector_factory(create):
@@ -77,6 +116,10 @@ def install() -> None:
                       (UniProcExecutor, "sample_tokens"), (MultiprocExecutor, "execute_model"),
                       (MultiprocExecutor, "sample_tokens")):
         setattr(cls, attr, timed(getattr(cls, attr), f"{cls.__name__}.{attr}"))
+    if os.environ.get(SAMPLE):  # the worker's, in whichever process runs it
+        from vllm.v1.worker.gpu_worker import Worker
+
+        Worker.execute_model = _sampled(Worker.execute_model)
     import importlib
 
     for spec in filter(None, os.environ.get(EXTRA, "").split(",")):
@@ -125,7 +168,7 @@ def timelines(root: str, windows: list[tuple[float, float]]) -> list[list[list]]
         for evs in events.values():
             folding: dict[str, list] = {}
             for name, t0, t1 in sorted(evs, key=lambda e: e[1]):
-                if t1 < a or t0 > b:
+                if t1 < a or t0 > b or name.startswith("S|"):
                     continue
                 if name in ("kv.start_load_kv", "kv.wait_for_save"):
                     folding = {}
@@ -141,6 +184,17 @@ def timelines(root: str, windows: list[tuple[float, float]]) -> list[list[list]]
         rows.sort(key=lambda r: r[1])
         out.append([[n, round(s, 3), round(d, 3), c, round(e, 3)] for n, s, d, c, e in rows])
     return out
+
+
+def samples(root: str, windows: list[tuple[float, float]], top: int = 30) -> list[tuple[str, int]]:
+    """The most frequent sampled stacks (innermost frame first) in the windows, counted
+    over all of them, with the number of windows' samples in all as ("all", n)."""
+    got: Counter = Counter()
+    for evs in load(root).values():
+        for name, t0, _ in evs:
+            if name.startswith("S|") and any(a <= t0 <= b for a, b in windows):
+                got[name[2:]] += 1
+    return [("all", sum(got.values())), *got.most_common(top)]
 
 
 def summary(lines: list[list[list]]) -> list[str]:
