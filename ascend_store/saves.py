@@ -39,17 +39,21 @@ log = logging.getLogger("ascend_store")
 @dataclass
 class Reserved:
     """A group's objects of the step: their slots (-1: not reserved), the layer parts
-    written so far per object, and the entries' pages for the batched copies."""
+    written so far per object, and the entries' pages for the batched copies. For
+    fixed-size codecs every per-layer quantity of the reserved objects is one [layer,
+    reserved object] array, built once a step: a layer's save only takes its row."""
 
     step: GroupStep
     offsets: np.ndarray  # per object
     written: np.ndarray  # per object: layer parts written
-    fps: np.ndarray  # [layer, object] header fingerprints
     planner: CopyPlanner | None = None
     encoded: dict[int, list[bytes]] = field(default_factory=dict)  # variable codecs: object -> parts
     saves: list = field(default_factory=list)  # per object: its ChunkSave
-    parts: np.ndarray | None = None  # [layer, reserved object] part offsets (fixed-size codecs)
     ok: np.ndarray | None = None  # indexes of the reserved objects
+    parts: np.ndarray | None = None  # [layer, reserved object] part offsets
+    sizes: np.ndarray | None = None  # [layer, reserved object] part sizes (header included)
+    fps: np.ndarray | None = None  # [layer, reserved object] header fingerprints
+    raw_blocks: int = 0  # blocks of the step's objects (a layer saves this many pages)
 
 
 class SaveJob:
@@ -130,14 +134,15 @@ class Saver:
             for st in steps:
                 job.groups[st.fmt.group] = Reserved(
                     st, np.full(len(st.keys), -1, dtype=np.int64), np.zeros(len(st.keys), dtype=np.int64),
-                    st.fmt.fingerprints(st.keys),
-                    saves=[job.saves[j] for j in st.entries.tolist()])
+                    saves=[job.saves[j] for j in st.entries.tolist()], raw_blocks=int(st.blocks.sum()))
             fixed = [job.groups[st.fmt.group] for st in steps if st.fmt.fixed]
             if fixed:  # one reserve for the whole step; variable sizes reserve at commit
                 self._reserve(fixed, [r.step.fmt.size(r.step.blocks) for r in fixed])
             for r in fixed:  # where every layer's part of every reserved object goes
-                r.ok = np.flatnonzero(r.offsets >= 0)
-                r.parts = r.step.fmt.parts(r.offsets[r.ok], r.step.blocks[r.ok])
+                fmt, r.ok = r.step.fmt, np.flatnonzero(r.offsets >= 0)
+                blocks = r.step.blocks[r.ok]
+                r.parts, r.sizes = fmt.parts(r.offsets[r.ok], blocks), fmt.part_sizes(blocks)
+                r.fps = fmt.fingerprints([r.step.keys[k] for k in r.ok.tolist()])
         except Exception as exc:
             if not isinstance(exc, BackendUnavailable):
                 log.exception("KV pool reserve failed; not saving this step")
@@ -170,16 +175,15 @@ class Saver:
                 self._save_on_device(job, r, saves, name, i, after)
             else:
                 self._save_on_host(r, saves, name, i)
-            ctx.counters["saved_raw_bytes"] += int(r.step.blocks.sum()) * layout.page_bytes
+            ctx.counters["saved_raw_bytes"] += r.raw_blocks * layout.page_bytes
         ctx.counters["save_seconds"] += time.perf_counter() - t0
 
     def _save_on_host(self, r: Reserved, saves: list[ChunkSave], name: str, i: int) -> None:
         ctx = self.ctx
         arena = ctx.arena()
         st = r.step
-        sizes = HEADER_BYTES + st.fmt.per_block[i] * st.blocks
-        for k, off in zip(r.ok.tolist(), r.parts[i].tolist()):  # the reserved objects
-            sv, size = saves[k], int(sizes[k])
+        for k, off, size in zip(r.ok.tolist(), r.parts[i].tolist(), r.sizes[i].tolist()):  # reserved ones
+            sv = saves[k]
             try:
                 write_object(arena[off:off + size], ctx.layouts[name], sv.block_ids, st.keys[k],
                              ctx.cfg.verify_checksum, ctx.codecs[name], salt=int(st.fmt.salts[i]))
@@ -192,11 +196,9 @@ class Saver:
         ok = r.ok
         if ok is None or not len(ok):
             return
-        st = r.step
         if r.planner is None:  # one copy plan for every layer of the step
             r.planner = CopyPlanner(StepPages.of([saves[k].block_ids for k in ok.tolist()], [0] * len(ok)))
-        objs = LayerObjects(name, r.parts[i], HEADER_BYTES + st.fmt.per_block[i] * st.blocks[ok], [], [], [],
-                            planner=r.planner, fps=r.fps[i, ok])
+        objs = LayerObjects(name, r.parts[i], r.sizes[i], [], [], [], planner=r.planner, fps=r.fps[i])
         job.device_saves.append((self.ctx.device_path.save_layer(self.ctx.arena(), objs, after), r))
 
     def _seal_device_saves(self, job: SaveJob) -> None:
@@ -229,7 +231,7 @@ class Saver:
         for k in done:
             sizes[k] = sum(padded[k])
         sub = Reserved(GroupStep(st.fmt, st.entries, st.obj, [st.keys[k] for k in done], st.blocks[done]),
-                       np.full(len(done), -1, dtype=np.int64), np.zeros(len(done), dtype=np.int64), r.fps)
+                       np.full(len(done), -1, dtype=np.int64), np.zeros(len(done), dtype=np.int64))
         self._reserve([sub], [sizes[done]])
         arena = ctx.arena()
         for pos, k in enumerate(done):
