@@ -225,6 +225,13 @@ def pool_rounds(results: dict) -> None:
         results["runs"][key] = pooled
 
 
+def concurrent_line(c: dict) -> str:
+    each = "/".join(f"{x['req_per_s']:.1f}" for x in c.get("rounds", []))
+    return (f"{c['requests']} at once, {c['tokens']} tokens: TTFT p50 {c['ttft_p50_ms']:.0f} ms, "
+            f"p90 {c['ttft_p90_ms']:.0f} ms, {c['req_per_s']:.2f} req/s"
+            + (f" (rounds {each})" if each else ""))
+
+
 def link_gbs() -> float:
     import torch
 
@@ -253,7 +260,8 @@ def report(results: dict, tokens: list[int]) -> None:
         for name, r in runs.items():
             if "error" in r or ROUND.fullmatch(name):  # shown pooled, with each round's median
                 continue
-            same = all(r[str(n)]["token"][0] == base[str(n)]["token"][0] for n in tokens if str(n) in base)
+            same = (all(r[str(n)]["token"][0] == base[str(n)]["token"][0] for n in tokens)
+                    if all(str(n) in base for n in tokens) else "-")  # no recompute to compare with
             print(f"  {name:<22}" + " ".join(f"{r[str(n)]['ttft_ms']:8.1f}" for n in tokens) + f"   {same}")
             if all("p90_ms" in r[str(n)] for n in tokens):
                 print(f"  {'  p90':<22}" + " ".join(f"{r[str(n)]['p90_ms']:8.1f}" for n in tokens))
@@ -261,11 +269,7 @@ def report(results: dict, tokens: list[int]) -> None:
                 print(f"  {'  rounds':<22}" + " ".join(
                     f"{'/'.join(f'{t:.0f}' for t in r[str(n)]['round_ms']):>8}" for n in tokens))
             if "concurrent" in r:
-                c = r["concurrent"]
-                each = "/".join(f"{x['req_per_s']:.1f}" for x in c.get("rounds", []))
-                print(f"    {c['requests']} at once: p50 {c['ttft_p50_ms']:.0f} ms, "
-                      f"p90 {c['ttft_p90_ms']:.0f} ms, {c['req_per_s']:.2f} req/s"
-                      + (f" (rounds {each})" if each else ""))
+                print("    " + concurrent_line(r["concurrent"]))
         floor = [n * 2 * layers * kv * hd * 2 / gbs / 1e6 for n in tokens]
         print(f"  {'link floor':<22}" + " ".join(f"{f:8.1f}" for f in floor))
 
@@ -388,29 +392,11 @@ def main() -> None:
                     for stack, count in got[str(n)].get("samples", [])[:12]:
                         print(f"      {count:5d}  {stack[:160]}", flush=True)
             if "concurrent" in got:
-                c = got["concurrent"]
-                print(f"{'':>3} {'':<22} {c['requests']} at once, {c['tokens']} tokens: TTFT p50 "
-                      f"{c['ttft_p50_ms']:.1f} ms, p90 {c['ttft_p90_ms']:.1f} ms, "
-                      f"{c['req_per_s']:.2f} req/s", flush=True)
+                print(f"{'':>3} {'':<22} " + concurrent_line(got["concurrent"]), flush=True)
+        pool_rounds(results)  # the rounds so far (the last pass pools them all)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
-    pool_rounds(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    for geometry in args.geometry:
-        layers, _, _, kv, hd, _ = GEOMETRIES[geometry]
-        kv_per_token = 2 * layers * kv * hd * 2
-        base = results["runs"].get(f"{geometry}/recompute", {})
-        for n in args.tokens:
-            floor = n * kv_per_token / gbs / 1e6
-            same = {name: r[str(n)]["token"][0] == base[str(n)]["token"][0]
-                    for key, r in results["runs"].items() if key.startswith(geometry + "/")
-                    for name in [key.split("/")[1]] if "error" not in r and str(n) in base
-                    and not ROUND.fullmatch(key)}
-            print(f"{geometry} {n // 1024}K: link floor {floor:.1f} ms; "
-                  f"same first token as recompute: {same}")
     report(results, args.tokens)
     if args.plot:
         plot(results, args.tokens, args.plot)
