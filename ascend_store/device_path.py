@@ -45,6 +45,7 @@ from ascend_store.device import Device
 from ascend_store.device_work import BATCH_BYTES, BatchLoad, LayerObjects, QueuedLoad, QueuedSave
 from ascend_store.segments import (
     WORD,
+    StepPages,
     dma_plans,
     dma_runs,
     fold_alike,
@@ -52,6 +53,7 @@ from ascend_store.segments import (
     run_copy,
     storage_words,
     to_device,
+    to_device_rows,
 )
 from ascend_store.transfer import HEADER_BYTES, LayerLayout
 
@@ -88,6 +90,41 @@ class DevicePath:
         self._ring: list[list] = [[None, None], [None, None]]  # staging buffer, event of its last reader
         self._next = 0
         self._arena: tuple[object, object, torch.Tensor] | None = None  # (epoch, view, bytes)
+
+    def warm_up(self) -> None:
+        """Compile the copy kernels now, not in the step of the first hit or save (a compile
+        the machine's Triton cache lacks takes hundreds of ms). Each kernel runs once per
+        variant a step can need: a one-segment plan whose pointers are aligned and whose
+        word counts are those of the real steps (to_device_rows; the per-step counts are
+        not specialized on). Nothing in the caches is written: a load's segment is read for
+        its checksum only, a save's goes nowhere, an int8 load only sums."""
+        if self.dev.type != "cuda" or kernels.triton is None:
+            return
+        dev, i64 = self.dev.device, torch.int64
+        zeros = lambda *shape: torch.zeros(shape, dtype=i64, device=dev)  # noqa: E731
+        loads = {plan.seg_bytes // WORD for plan in self.plans.values()}
+        saves, int8 = {}, {}  # one layer per variant
+        for name, plan in self.plans.items():
+            src = self.words[name][plan.origin // WORD:]
+            saves.setdefault((plan.seg_bytes // WORD, src.data_ptr() % 16), src)
+        for name, codec in self.int8.items():
+            int8.setdefault((codec.payload_bytes(self.layouts[name], 1), self.layouts[name].kv_dims), name)
+        with self.dev.use(self.save_stream):
+            for seg_words in loads:
+                segs = to_device_rows([np.zeros(1), np.zeros(1), np.full(1, -1)], dev)
+                obj_base, layer_base = to_device_rows([np.zeros(1), np.zeros(1)], dev)
+                kernels.load_rows(zeros(seg_words), self.base_words, segs, obj_base.view(1, 1), layer_base,
+                                  zeros(1, 1, 2), seg_words)
+            for (seg_words, _), src in saves.items():
+                segs = to_device_rows([np.zeros(1), np.full(1, -1), np.zeros(1), np.zeros(1)], dev)
+                kernels.copy_segments_sum(src, zeros(seg_words), segs, zeros(1, 2), seg_words)
+            for (per_block, kv_dims), name in int8.items():
+                plan = int8_path.int8_plan(StepPages.of([[]], [0], [1]), np.zeros(1, dtype=np.int64),
+                                           np.ones(1, dtype=np.int64), per_block, kv_dims[1])
+                int8_path.upload(plan, dev)
+                staging = torch.zeros(HEADER_BYTES + per_block, dtype=torch.uint8, device=dev)
+                kernels.int8_load(staging, self.blocks_view[name], plan, zeros(1, 2))
+        self.save_stream.synchronize()
 
     # -- the arena ----------------------------------------------------------------
     def arena(self, epoch, view) -> torch.Tensor:
@@ -165,7 +202,7 @@ class DevicePath:
         bases and one zeroed sums tensor, queued on the load stream ahead of their kernels."""
         if not raw:
             return
-        flat, rows = [], 0
+        flat, rows = [], 0  # each batch's bases: [layer, object] payload starts, then its layers'
         for bl in raw:
             bl.plan = bl.layers[0].plan().rows(self.shapes[bl.layers[0].name])
             bl.obj_base = (bl.starts + HEADER_BYTES) // WORD  # [layer, object] payload start, words
@@ -180,16 +217,16 @@ class DevicePath:
         with self.dev.use(self.load_stream):
             for bl in raw:
                 if bl.plan.device_segs is None:  # once per step and plan
-                    bl.plan.device_segs = to_device(np.stack([bl.plan.obj_of_seg, bl.plan.payload_word,
-                                                              bl.plan.cache_word]), self.dev.device)
-            bases = to_device(np.concatenate(flat), self.dev.device)
-            sums = torch.zeros((rows, 2), dtype=torch.int64, device=self.dev.device)
-        at = row = 0
-        for bl in raw:
-            k, n = bl.obj_base.size, len(bl.layers)
+                    bl.plan.device_segs = to_device_rows([bl.plan.obj_of_seg, bl.plan.payload_word,
+                                                          bl.plan.cache_word], self.dev.device)
+            bases = to_device_rows(flat, self.dev.device)
+            sums = torch.zeros((rows, 2), dtype=torch.int64, device=self.dev.device)  # rows of 16 bytes
+        row = 0
+        for bl, obj_base, layer_base in zip(raw, bases[0::2], bases[1::2]):
+            k = bl.obj_base.size
             bl.sums = sums[row:row + k].view(*bl.obj_base.shape, 2)
-            bl.obj_base, bl.layer_base = bases[at:at + k].view(bl.obj_base.shape), bases[at + k:at + k + n]
-            at, row = at + k + n, row + k
+            bl.obj_base, bl.layer_base = obj_base.view(bl.obj_base.shape), layer_base
+            row += k
 
     def _plan_dmas(self, bls: list[BatchLoad]) -> None:
         """On an accelerator, each batch's DMAs into staging (kept in the step's planner, as

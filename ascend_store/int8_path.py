@@ -21,7 +21,7 @@ import torch
 from ascend_store import kernels
 from ascend_store.checksum import word_sums
 from ascend_store.codecs import dequantize, quantize
-from ascend_store.segments import WORD, StepPages, to_device
+from ascend_store.segments import WORD, StepPages, to_device, to_device_rows
 from ascend_store.transfer import HEADER_BYTES
 
 SEG_WORDS = 1024  # words summed per kernel program
@@ -95,9 +95,7 @@ def load_layer(staging: torch.Tensor, view: torch.Tensor, plan: Int8Plan, sums: 
 def upload(plan: Int8Plan, device: torch.device) -> None:
     """The plan's index arrays on the device, in one copy, once per plan."""
     if not plan.tensors:
-        arrays = plan.arrays()
-        flat = to_device(np.concatenate(arrays), device)
-        plan.tensors = tuple(torch.tensor_split(flat, np.cumsum([len(a) for a in arrays[:-1]]).tolist()))
+        plan.tensors = tuple(to_device_rows(list(plan.arrays()), device))
 
 
 def _load_torch(staging: torch.Tensor, view: torch.Tensor, plan: Int8Plan, sums: torch.Tensor) -> None:

@@ -49,7 +49,9 @@ if triton is not None:
         tl.atomic_add(sums + 2 * o + 1, tl.sum(w * (pw + idx + 1).to(tl.int64), axis=0))
 
 
-    @triton.jit
+    # Counts that change with every step are not specialized on (Triton would compile a
+    # variant for 1 and for multiples of 16); see segments.to_device_rows for pointers.
+    @triton.jit(do_not_specialize=["n_objs"])
     def _load_rows_kernel(src, dst, seg_obj, seg_payload, seg_cache, obj_base, layer_base, sums, n_objs,
                           seg_words, BLOCK: tl.constexpr):
         seg = tl.program_id(0)
@@ -71,7 +73,7 @@ if triton is not None:
         tl.atomic_add(sums + 2 * k + 1, tl.sum(w * (pw + idx + 1).to(tl.int64), axis=0))
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_dequant"])
     def _int8_load_kernel(words, bytes_, halves, dst, page_obj, page_idx, page_block, obj_start, obj_n,
                           seg_obj, seg_word, sums, n_dequant, block_words, sb, skv, st, sh, sd,
                           T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, TT: tl.constexpr,
@@ -116,14 +118,14 @@ if triton is not None:
             tl.atomic_add(sums + 2 * o + 1, tl.sum(w * (idx + 1).to(tl.int64), axis=0))
 
 
-def copy_segments_sum(src, dst, segs: torch.Tensor, sums: torch.Tensor, seg_words: int, block: int = 1024,
-                      num_warps: int = 4) -> None:
+def copy_segments_sum(src, dst, segs: list[torch.Tensor], sums: torch.Tensor, seg_words: int,
+                      block: int = 1024, num_warps: int = 4) -> None:
     """Copy segments of ``seg_words`` 8-byte words (int64 tensors) and add each object's
     payload word sums into ``sums`` [objects, 2] (zeroed): (sum of w, sum of (j + 1) * w)
-    over the payload's words j, mod 2**64. ``segs`` [4, segments] on the device: each
-    segment's source and destination word offsets, its object and its word offset in that
-    object's payload. A negative destination reads the segment for its sums only."""
-    n = segs.shape[1]
+    over the payload's words j, mod 2**64. ``segs``: 4 rows of [segments] on the device,
+    each segment's source and destination word offsets, its object and its word offset in
+    that object's payload. A negative destination reads the segment for its sums only."""
+    n = segs[0].numel()
     if n == 0:
         return
     grid = (n, triton.cdiv(seg_words, block))
@@ -131,18 +133,18 @@ def copy_segments_sum(src, dst, segs: torch.Tensor, sums: torch.Tensor, seg_word
                                     BLOCK=block, num_warps=num_warps)
 
 
-def load_rows(src: torch.Tensor, dst: torch.Tensor, segs: torch.Tensor, obj_base: torch.Tensor,
+def load_rows(src: torch.Tensor, dst: torch.Tensor, segs: list[torch.Tensor], obj_base: torch.Tensor,
               layer_base: torch.Tensor, sums: torch.Tensor, seg_words: int, block: int = 1024,
               num_warps: int = 4) -> None:
     """Copy the segments of ``len(layer_base)`` layers from staged objects into their caches
     and add each object's payload word sums into ``sums`` [layers, objects, 2] (zeroed;
-    (sum of w, sum of (j + 1) * w) over the payload's words j, mod 2**64). ``segs`` [3, segments]: each
-    segment's object, word offset in that object's payload, and word offset in a layer's
+    (sum of w, sum of (j + 1) * w) over the payload's words j, mod 2**64). ``segs``: 3 rows of
+    [segments], each segment's object, word offset in that object's payload, and word offset in a layer's
     cache (-1: read for the checksum only); ``obj_base`` [layers, objects]: where each
     object's payload of that layer starts in ``src``; ``layer_base`` [layers]: where the
     layer's cache starts, in words from ``dst`` (the layers' caches may be separate
     allocations: addresses are flat on the device, so one base pointer reaches them all)."""
-    n, rows = segs.shape[1], layer_base.numel()
+    n, rows = segs[0].numel(), layer_base.numel()
     if n == 0 or rows == 0:
         return
     grid = (n, triton.cdiv(seg_words, block), rows)

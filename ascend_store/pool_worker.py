@@ -164,6 +164,7 @@ class PoolWorker:
         if batched_copies(self.cfg.copy_path, device) and self.codec.name in DevicePath.CODECS:
             try:
                 ctx.device_path = DevicePath(device, ctx.layouts, ctx.codecs)
+                ctx.device_path.warm_up()
             except ValueError as exc:  # an unaligned layout: per-block copies still work
                 log.warning("ascend-store: batched device copies off (%s); copying block by block", exc)
         if ctx.device_path is not None:

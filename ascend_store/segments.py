@@ -24,6 +24,7 @@ from ascend_store.checksum import fold_array
 from ascend_store.transfer import HEADER_BYTES, LayerLayout, storage_view
 
 WORD = kernels.WORD
+ALIGN_WORDS = 2  # 16 bytes: the alignment Triton specializes pointers on
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class LayerCopy:
     obj_of_seg: np.ndarray  # which object each segment belongs to
     payload_word: np.ndarray  # each segment's word offset within its object's payload
     n_objects: int
-    device_segs: object = None  # [4, segments] on the device, once uploaded (run_copy)
+    device_segs: object = None  # 4 rows of [segments] on the device, once uploaded (run_copy)
 
 
 @dataclass
@@ -100,7 +101,7 @@ class RowPlan:
     payload_word: np.ndarray
     cache_word: np.ndarray
     seg_words: int
-    device_segs: object = None  # [3, segments] on the device, once uploaded
+    device_segs: object = None  # 3 rows of [segments] on the device, once uploaded
 
 
 @dataclass
@@ -213,8 +214,7 @@ def run_copy(copy: LayerCopy, src, dst, device: torch.device) -> torch.Tensor:
     if len(copy.src) == 0:
         return sums
     if copy.device_segs is None:
-        segs = np.stack([copy.src, copy.dst, copy.obj_of_seg, copy.payload_word])
-        copy.device_segs = to_device(segs, device)
+        copy.device_segs = to_device_rows([copy.src, copy.dst, copy.obj_of_seg, copy.payload_word], device)
     kernels.copy_segments_sum(src, dst, copy.device_segs, sums, copy.seg_words)
     return sums
 
@@ -227,6 +227,20 @@ def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     host = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
     host.numpy()[...] = values
     return host.to(device, non_blocking=True)
+
+
+def to_device_rows(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Several int64 arrays on the device in one ``to_device``, each starting on a 16-byte
+    boundary. Triton compiles a kernel once per alignment of its pointer arguments: index
+    arrays at odd words would make new variants of a kernel appear with the step's sizes,
+    each a compile of hundreds of ms on the step's thread the first time a machine sees it."""
+    lens = [len(a) for a in arrays]
+    starts = np.cumsum([0] + [-(-n // ALIGN_WORDS) * ALIGN_WORDS for n in lens])
+    flat = np.zeros(int(starts[-1]), dtype=np.int64)
+    for a, at, n in zip(arrays, starts.tolist(), lens):
+        flat[at:at + n] = a
+    dev = to_device(flat, device)
+    return [dev[at:at + n] for at, n in zip(starts.tolist(), lens)]
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:

@@ -24,7 +24,8 @@ Tables and a PNG from saved results (later files win per configuration), anywher
 ``--trace`` loads ``hook_trace.py`` as a vLLM plugin in every engine process and keeps,
 per timed hit, the engine core's steps, scheduler calls, calls into the worker, the wait
 for the sampled token and every connector hook on one clock with the request's send and
-receive (JSON; a median timeline is printed), the engine core in its own process or, with
+receive (JSON; a median timeline is printed; the concurrent burst is one window, summed
+per event), the engine core in its own process or, with
 ``--inprocess``, on the caller's thread. ``--profile DIR`` runs in one process and writes
 a cProfile summary of the timed repetitions per prompt length to DIR. In-process TTFTs
 lack the IPC and, with ``--profile``, carry the profiler's overhead: compare
@@ -196,8 +197,16 @@ def concurrent(llm, spec: dict, conf: dict, params) -> dict:
     wall = time.perf_counter() - t0
     ttft = sorted(1e3 * o.metrics.first_token_latency for o in outs if o.metrics is not None)
     pick = lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))] if ttft else float("nan")  # noqa: E731
-    return {"tokens": n, "requests": k, "ttft_p50_ms": pick(0.5), "ttft_p90_ms": pick(0.9),
-            "req_per_s": k / wall, "cached": [o.num_cached_tokens or 0 for o in outs]}
+    got = {"tokens": n, "requests": k, "ttft_p50_ms": pick(0.5), "ttft_p90_ms": pick(0.9),
+           "req_per_s": k / wall, "cached": [o.num_cached_tokens or 0 for o in outs]}
+    if spec.get("trace"):  # the burst as one window: every step of it
+        import hook_trace
+
+        time.sleep(0.2)
+        got["trace"] = hook_trace.timelines(spec["trace"], [(t0, t0 + wall)])[0]
+        if os.environ.get(hook_trace.SAMPLE):
+            got["samples"] = hook_trace.samples(spec["trace"], [(t0, t0 + wall)])
+    return got
 
 
 def pool_rounds(results: dict) -> None:
@@ -393,6 +402,11 @@ def main() -> None:
                         print(f"      {count:5d}  {stack[:160]}", flush=True)
             if "concurrent" in got:
                 print(f"{'':>3} {'':<22} " + concurrent_line(got["concurrent"]), flush=True)
+                if "trace" in got["concurrent"]:
+                    import hook_trace
+
+                    rows = hook_trace.totals(got["concurrent"]["trace"])
+                    print("      " + "\n      ".join(rows), flush=True)
         pool_rounds(results)  # the rounds so far (the last pass pools them all)
         if args.json:
             with open(args.json, "w") as f:

@@ -210,3 +210,16 @@ def summary(lines: list[list[list]]) -> list[str]:
     return [f"{name}#{k}: {med([v[0] for v in vs]):7.2f} -> {med([v[3] for v in vs]):7.2f} ms, "
             f"busy {med([v[1] for v in vs]):6.2f} ms x{med([v[2] for v in vs])} ({len(vs)}/{len(lines)})"
             for (name, k), vs in keyed]
+
+
+def totals(rows: list[list]) -> list[str]:
+    """One window's events summed per name (a burst of many steps): calls, busy ms, and
+    the first start and last end, in order of first start."""
+    acc: dict[str, list] = {}
+    for name, start, busy, calls, end in rows:
+        a = acc.setdefault(name, [start, 0.0, 0, end])
+        a[1] += busy
+        a[2] += calls
+        a[3] = max(a[3], end)
+    return [f"{name}: {s:7.1f} -> {e:7.1f} ms, busy {b:7.2f} ms x{c}"
+            for name, (s, b, c, e) in sorted(acc.items(), key=lambda kv: kv[1][0])]

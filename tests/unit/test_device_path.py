@@ -310,3 +310,42 @@ def test_int8_layers_match_the_host_codec_both_ways(device):
     assert loader.check_loads([loader.queue_batch(arena, loader.batches([objs["b"]])[0])], True) == [[[0]]]
     path.close()
     loader.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's compiled variants: CUDA only")
+def test_steps_of_any_size_compile_no_kernel_after_warm_up():
+    """Triton compiles a kernel once per alignment of its pointer arguments and per special
+    value (1, multiples of 16) of its integer ones; a compile the machine has not cached
+    took hundreds of ms on the step's thread in the H200 runs of 16 requests at once.
+    After ``warm_up``, raw and int8 steps of 1, 2, 7 and 16 objects (odd and even segment
+    counts) load and save correctly and compile nothing."""
+    from ascend_store import kernels
+
+    def variants():
+        return sum(len(c[0]) for k in (kernels._load_rows_kernel, kernels._copy_segments_sum_kernel,
+                                       kernels._int8_load_kernel) for c in k.device_caches.values())
+
+    torch.manual_seed(3)
+    int8 = get_codec("int8")
+    for codec in (RAW, int8):
+        layouts = {"a": LayerLayout(torch.randn(2, NB, T, H, D, dtype=torch.bfloat16, device="cuda"), 1,
+                                    (H, T, D))}
+        path = DevicePath(torch.device("cuda"), layouts, {"a": codec})
+        path.warm_up()
+        before = variants()
+        for n, per in ((1, 1), (2, 3), (7, 1), (16, 1), (3, 2)):
+            size = object_bytes(layouts["a"], per, codec)
+            slot = (size + 511) // 512 * 512
+            blocks = [[(i * per + j) % NB for j in range(per)] for i in range(n)]
+            o = LayerObjects("a", [i * slot for i in range(n)], [size] * n, blocks, [0] * n,
+                             [f"k/{i}" for i in range(n)])
+            arena = path.arena(n, mmap.mmap(-1, n * slot))
+            for key, off, wsum in zip(o.keys, o.offsets, path.finish_save(path.save_layer(arena, o, None))):
+                seal(arena[off:off + size], size - HEADER_BYTES, layouts["a"], key, codec, True, wsum=wsum)
+            faults, h = header_faults(arena.numpy(), o.offsets, o.sizes, o.keys, layouts["a"], per, True,
+                                      codec, wsum_later=True)
+            assert faults == [None] * n
+            o.stored = h["crc"].astype("int64").tolist()
+            assert path.check_loads([path.queue_batch(arena, path.batches([o])[0])], True) == [[[]]]
+        assert variants() == before
+        path.close()

@@ -14,7 +14,7 @@ import torch
 
 from ascend_store.checksum import wsum_host
 from ascend_store.codecs import get_codec
-from ascend_store.segments import fold_alike, page_plan, plan_objects, run_copy, storage_words
+from ascend_store.segments import fold_alike, page_plan, plan_objects, run_copy, storage_words, to_device_rows
 from ascend_store.transfer import (
     HEADER_BYTES,
     CorruptObject,
@@ -165,3 +165,12 @@ def test_batches_laid_out_alike_share_one_dma_plan_shifted():
         for (parts, sz), got in zip(batches, dma_plans(batches)):
             want = dma_plan(parts, sz)
             assert got[0] == want[0] and got[1] == want[1] and np.array_equal(got[2], want[2])
+
+
+def test_rows_uploaded_together_each_start_on_16_bytes():
+    """Triton specializes a kernel on the 16-byte alignment of each pointer argument: index
+    arrays packed back to back would start at odd words with odd lengths before them."""
+    arrays = [np.arange(n, dtype=np.int64) + 100 * n for n in (1, 3, 0, 5, 2)]
+    rows = to_device_rows(arrays, torch.device("cpu"))
+    assert [r.data_ptr() % 16 for r in rows] == [0] * len(arrays)
+    assert [r.tolist() for r in rows] == [a.tolist() for a in arrays]
