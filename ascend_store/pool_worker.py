@@ -334,9 +334,9 @@ class PoolWorker:
         rpcs = self.backend.rpcs
         self.counters["max_rpcs_per_step"] = max(self.counters["max_rpcs_per_step"], rpcs - self._rpcs_seen)
         self._rpcs_seen = rpcs
-        self.saver.end_step(meta.saves if meta is not None else None, whole=not self.cfg.use_layerwise)
-        if meta is not None and meta.commit_now:  # the reply leaves after this step
-            self.saver.drain()
+        # commit_now: the reply leaves after this step, so its objects are published first.
+        self.saver.end_step(meta.saves if meta is not None else None, whole=not self.cfg.use_layerwise,
+                            publish=meta is not None and meta.commit_now)
 
     def stats(self) -> AscendStoreStats:
         now = time.monotonic()

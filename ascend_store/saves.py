@@ -12,7 +12,12 @@ layer as it comes and reserve at the end, when the sizes are known.
 the start of the next one (vLLM's ``handle_preemptions``, called first in
 ``execute_model``, before it zeroes, loads into or computes into any block). So a block
 freed after this step cannot be rewritten while its save still reads it, and the tail of
-the save overlaps the scheduler's work for the next step.
+the save overlaps the scheduler's work for the next step. That wait holds the host only
+until every copy is queued: on an accelerator the compute stream then waits for the save
+stream on the device (the next step's loads start after the compute stream's queued work,
+so they wait too), and the commit (headers, the pool's ``commit``) goes on on the save
+thread. A step whose reply must not overtake its objects (``publish``: a P/D producer's
+last prompt step) waits for the commit too.
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ class SaveJob:
     def __init__(self, saves: list[ChunkSave]):
         self.saves = saves
         self.groups: dict[int, Reserved] = {}
-        self.futures: list[Future] = []
+        self.futures: list[Future] = []  # the reserve and the layers' copies: what reads the blocks
+        self.commit: Future | None = None
         self.device_saves: list = []  # (queued copy, Reserved, layer index) to seal at commit
         self.cancelled = False
 
@@ -79,30 +85,35 @@ class Saver:
         if job is not None and layer_name in self.ctx.group_of:
             job.futures.append(self._thread.submit(self._run_save_layer, job, layer_name, self._now()))
 
-    def end_step(self, saves: list[ChunkSave] | None, whole: bool) -> None:
+    def end_step(self, saves: list[ChunkSave] | None, whole: bool, publish: bool = False) -> None:
         """The step's forward is done: queue the commit (after every layer's copy, all
-        queued here when ``whole``), and wait for it now or at the next step."""
+        queued here when ``whole``); wait for the copies now or at the next step, and with
+        ``publish`` for the commit too, now."""
         job, self._job = self._step_job(saves), None
         if job is None:
             return
         if whole:
             after = self._now()
             job.futures += [self._thread.submit(self._run_save_layer, job, n, after) for n in self.ctx.order]
-        job.futures.append(self._thread.submit(self._run_commit, job))
-        if self.defer_drain:
+        job.commit = self._thread.submit(self._run_commit, job)
+        if publish:
+            self._finish(job, committed=True)
+        elif self.defer_drain:
             self._draining = job
         else:
             self._finish(job)
 
     def drain(self) -> None:
-        """Wait for a finished step's save, deferred to now."""
+        """Wait for a finished step's copies, deferred to now."""
         job, self._draining = self._draining, None
         if job is not None:
             self.ctx.counters["deferred_drains"] += 1
             self._finish(job)
 
     def shutdown(self) -> None:
-        self.drain()
+        job, self._draining = self._draining, None
+        if job is not None:
+            self._finish(job, committed=True)
         self._thread.shutdown(wait=True, cancel_futures=True)
 
     def _now(self):
@@ -117,12 +128,20 @@ class Saver:
             self._job.futures.append(self._thread.submit(self._run_reserve, self._job))
         return self._job
 
-    def _finish(self, job: SaveJob) -> None:
-        if wait(job.futures, timeout=self.ctx.cfg.load_timeout_s).not_done:
+    def _finish(self, job: SaveJob, committed: bool = False) -> None:
+        """Return once the job's copies no longer read its blocks (``committed``: once its
+        objects are published). On an accelerator the copies need only be queued: the
+        compute stream waits for them on the device, the host does not."""
+        futures = job.futures + [job.commit] if committed else job.futures
+        if wait(futures, timeout=self.ctx.cfg.load_timeout_s).not_done:
             # Stop the copies before vLLM reuses the blocks; unpublished objects expire.
             job.cancelled = True
             log.warning("KV pool save did not finish in time; its objects expire unpublished")
             self.ctx.counters["save_errors"] += 1
+            return
+        dp = self.ctx.device_path
+        if dp is not None and not committed:
+            dp.dev.wait(dp.dev.record(dp.save_stream))
 
     # -- on the save thread ---------------------------------------------------------
     def _run_reserve(self, job: SaveJob) -> None:

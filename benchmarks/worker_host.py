@@ -135,14 +135,15 @@ def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, ti
                 kernels.load_rows_torch = _no_rows
         # Fresh objects every round and every case (the pool keeps what was saved first).
         hashes = [f"{next(ROUNDS):08x}{c:024x}" for c in range(chunks)]
+        # Published when wait_for_save returns (a P/D producer's last prompt step), so the
+        # step's time holds the commit and the load finds every object.
         save = StepMetadata(saves=[ChunkSave("req", 0, h, src[c * per_chunk:(c + 1) * per_chunk])
-                                   for c, h in enumerate(hashes)])
+                                   for c, h in enumerate(hashes)], commit_now=True)
 
         def do_save():
             for name in worker.order:
                 worker.save_kv_layer(name, save)
             worker.wait_for_save(save)
-            worker.handle_preemptions(None)  # the deferred drain: copies done, objects committed
 
         load = StepMetadata(loads=[ChunkLoad("req", 0, h, dst[c * per_chunk:(c + 1) * per_chunk])
                                    for c, h in enumerate(hashes)])

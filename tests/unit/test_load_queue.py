@@ -46,11 +46,11 @@ def test_a_long_step_queues_each_batch_from_the_wait_before_it(pool, monkeypatch
     src = list(range(1, 2 * CHUNK_BLOCKS + 1))
     dst = list(range(2 * CHUNK_BLOCKS + 1, 4 * CHUNK_BLOCKS + 1))
     chunks = lambda ids: [ids[c * CHUNK_BLOCKS:(c + 1) * CHUNK_BLOCKS] for c in range(2)]  # noqa: E731
-    save = StepMetadata(saves=[ChunkSave("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(src))])
+    save = StepMetadata(saves=[ChunkSave("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(src))],
+                        commit_now=True)  # published when wait_for_save returns
     for name in worker.order:
         worker.save_kv_layer(name, save)
     worker.wait_for_save(save)
-    worker.handle_preemptions(None)  # the deferred drain: objects committed
 
     load = StepMetadata(loads=[ChunkLoad("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(dst))],
                         new_tokens=new_tokens)

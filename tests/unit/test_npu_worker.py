@@ -102,11 +102,11 @@ def test_npu_worker_without_pinning_round_trips_tuple_caches_per_block(pool, kin
         src = list(range(1, 2 * CHUNK_BLOCKS + 1))  # two chunks
         dst = list(range(2 * CHUNK_BLOCKS + 1, 4 * CHUNK_BLOCKS + 1))
         chunks = lambda ids: [ids[c * CHUNK_BLOCKS:(c + 1) * CHUNK_BLOCKS] for c in range(2)]  # noqa: E731
-        save = StepMetadata(saves=[ChunkSave("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(src))])
+        save = StepMetadata(saves=[ChunkSave("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(src))],
+                            commit_now=True)  # published when wait_for_save returns
         for name in caches:
             worker.save_kv_layer(name, save)
         worker.wait_for_save(save)
-        worker.handle_preemptions(None)  # the deferred drain: copies done, objects committed
         assert worker.counters.total["saved_objects"] == 2  # one object per chunk, every part inside
         want = {n: tuple(t.cpu()[src] for t in parts) for n, parts in caches.items()}
 

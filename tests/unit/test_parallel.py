@@ -118,11 +118,11 @@ def _worker(pool, monkeypatch, tp: int, rank: int, copy_path: str = "auto"):
 def _save(worker, caches, blocks, chunk):
     from ascend_store.metadata import ChunkSave, StepMetadata
 
-    meta = StepMetadata(saves=[ChunkSave("r", 0, f"{chunk + i:032x}", [b]) for i, b in enumerate(blocks)])
+    meta = StepMetadata(saves=[ChunkSave("r", 0, f"{chunk + i:032x}", [b]) for i, b in enumerate(blocks)],
+                        commit_now=True)  # published when wait_for_save returns
     for name in caches:
         worker.save_kv_layer(name, meta)
     worker.wait_for_save(meta)
-    worker.handle_preemptions(None)  # the deferred drain: objects committed
 
 
 def _load(worker, caches, blocks, chunk):

@@ -55,11 +55,10 @@ def test_tuple_caches_round_trip_byte_exact(pool, kind, copy_path):
     src = list(range(1, 2 * CHUNK_BLOCKS + 1))  # two chunks
     dst = list(range(2 * CHUNK_BLOCKS + 1, 4 * CHUNK_BLOCKS + 1))
     save = StepMetadata(saves=[ChunkSave("r", 0, f"{c:032x}", src[c * CHUNK_BLOCKS:(c + 1) * CHUNK_BLOCKS])
-                               for c in range(2)])
+                               for c in range(2)], commit_now=True)  # published when wait_for_save returns
     for name in caches:
         worker.save_kv_layer(name, save)
     worker.wait_for_save(save)
-    worker.handle_preemptions(None)  # the deferred drain: copies done, objects committed
     assert worker.counters.total["saved_objects"] == 2  # one object per chunk, every part inside
     want = {n: tuple(t[src].clone() for t in parts) for n, parts in caches.items()}
 
