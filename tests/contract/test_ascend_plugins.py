@@ -39,6 +39,7 @@ def test_int8_plugin_stores_int8_pages_and_keeps_scales_on_the_layer(plugins):
     layout = resolve_layout("int8", dim)
     assert (layout.storage_dtype, layout.packed_last_dim) == ("int8", dim)  # unpacked, one byte per value
     sem = Int8DynamicSemantics(types.SimpleNamespace(num_kv_heads=heads, head_size=dim))
+    torch.manual_seed(0)
     key = torch.randn(40, heads, dim, dtype=torch.bfloat16)
     scales = sem.calc_scales(key, key)
     # One scale per (head, channel), from the first prefill's amax: in the key's dtype, not
@@ -48,7 +49,10 @@ def test_int8_plugin_stores_int8_pages_and_keeps_scales_on_the_layer(plugins):
     q = sem.quantize(key, scales.k_inv_scale, scales.k_offset)
     assert q.dtype == torch.int8 and q.shape == key.shape
     back = sem.dequantize(q, scales.k_inv_scale, scales.k_offset, torch.float32)
-    assert (back - key.float()).abs().max() <= (1 / scales.k_inv_scale.float()).max()
+    # Within about one quantization step of each value's own channel: the step rounded
+    # to bf16 adds up to ~0.1 step at the int8 extremes (1.10 at most over 2,000 seeds;
+    # the bound against the largest channel's step alone failed for 2% of them).
+    assert ((back - key.float()).abs() * scales.k_inv_scale.float()).max() <= 1.25
 
 
 def test_triattention_compacts_selected_tokens_into_other_blocks(plugins):
