@@ -103,17 +103,15 @@ class Saver:
         else:
             self._finish(job)
 
-    def drain(self) -> None:
-        """Wait for a finished step's copies, deferred to now."""
+    def drain(self, committed: bool = False) -> None:
+        """Wait for a finished step's copies (``committed``: its commit too), deferred to now."""
         job, self._draining = self._draining, None
         if job is not None:
             self.ctx.counters["deferred_drains"] += 1
-            self._finish(job)
+            self._finish(job, committed)
 
     def shutdown(self) -> None:
-        job, self._draining = self._draining, None
-        if job is not None:
-            self._finish(job, committed=True)
+        self.drain(committed=True)
         self._thread.shutdown(wait=True, cancel_futures=True)
 
     def _now(self):

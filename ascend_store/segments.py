@@ -235,12 +235,12 @@ def to_device_rows(arrays: list[np.ndarray], device: torch.device) -> list[torch
     arrays at odd words would make new variants of a kernel appear with the step's sizes,
     each a compile of hundreds of ms on the step's thread the first time a machine sees it."""
     lens = [len(a) for a in arrays]
-    starts = np.cumsum([0] + [-(-n // ALIGN_WORDS) * ALIGN_WORDS for n in lens])
-    flat = np.zeros(int(starts[-1]), dtype=np.int64)
-    for a, at, n in zip(arrays, starts.tolist(), lens):
+    starts = np.cumsum([0] + [-(-n // ALIGN_WORDS) * ALIGN_WORDS for n in lens]).tolist()
+    flat = np.zeros(starts[-1], dtype=np.int64)
+    for a, at, n in zip(arrays, starts, lens):
         flat[at:at + n] = a
     dev = to_device(flat, device)
-    return [dev[at:at + n] for at, n in zip(starts.tolist(), lens)]
+    return [dev[at:at + n] for at, n in zip(starts, lens)]
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:

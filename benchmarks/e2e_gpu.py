@@ -203,9 +203,10 @@ def concurrent(llm, spec: dict, conf: dict, params) -> dict:
         import hook_trace
 
         time.sleep(0.2)
-        got["trace"] = hook_trace.timelines(spec["trace"], [(t0, t0 + wall)])[0]
+        window = [(t0, t0 + wall)]
+        got["trace"] = hook_trace.timelines(spec["trace"], window)[0]
         if os.environ.get(hook_trace.SAMPLE):
-            got["samples"] = hook_trace.samples(spec["trace"], [(t0, t0 + wall)])
+            got["samples"] = hook_trace.samples(spec["trace"], window)
     return got
 
 
