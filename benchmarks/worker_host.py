@@ -136,14 +136,19 @@ def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, ti
         # Fresh objects every round and every case (the pool keeps what was saved first).
         hashes = [f"{next(ROUNDS):08x}{c:024x}" for c in range(chunks)]
         # Published when wait_for_save returns (a P/D producer's last prompt step), so the
-        # step's time holds the commit and the load finds every object.
+        # step's time holds the commit and the load finds every object. Checkouts older than
+        # commit_now published a save in the next step's first hook: do_save calls it.
+        publish = "commit_now" in StepMetadata.__dataclass_fields__
         save = StepMetadata(saves=[ChunkSave("req", 0, h, src[c * per_chunk:(c + 1) * per_chunk])
-                                   for c, h in enumerate(hashes)], commit_now=True)
+                                   for c, h in enumerate(hashes)])
+        save.commit_now = publish
 
         def do_save():
             for name in worker.order:
                 worker.save_kv_layer(name, save)
             worker.wait_for_save(save)
+            if not publish:
+                worker.handle_preemptions(None)
 
         load = StepMetadata(loads=[ChunkLoad("req", 0, h, dst[c * per_chunk:(c + 1) * per_chunk])
                                    for c, h in enumerate(hashes)])
