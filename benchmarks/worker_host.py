@@ -139,9 +139,9 @@ def run(geometry: str, tokens: int, copy_path: str, repeat: int, socket: str, ti
         # step's time holds the commit and the load finds every object. Checkouts older than
         # commit_now published a save in the next step's first hook: do_save calls it.
         publish = "commit_now" in StepMetadata.__dataclass_fields__
+        flags = {"commit_now": True} if publish else {}
         save = StepMetadata(saves=[ChunkSave("req", 0, h, src[c * per_chunk:(c + 1) * per_chunk])
-                                   for c, h in enumerate(hashes)])
-        save.commit_now = publish
+                                   for c, h in enumerate(hashes)], **flags)
 
         def do_save():
             for name in worker.order:
