@@ -2,35 +2,29 @@
 
 The pool's arena is registered as pinned host memory. Loads move in *batches* of a
 group's layers of one page shape (up to ``BATCH_BYTES``; a layer of a long prompt is a
-batch of its own), each in two parts: the copy engine moves the batch's parts of every
-object between the arena and device memory (a chunk object holds its layers' parts back
-to back, so one 2D DMA per run of equally spaced objects covers the whole batch), and one
-kernel scatters the pages of every layer of the batch into the paged caches, summing
-every word on the way (kernels.load_rows: one plan per step, shifted per layer and per
-object). The kernel only touches device memory, so it takes the SMs for microseconds; a
-kernel reading the arena over the link directly would hold SMs for the whole transfer
-and slow the forward it is meant to hide behind (measured: docs/benchmarks.md). The
-compute stream never waits on the host:
+batch of its own): the copy engine moves the batch's parts of every object into device
+staging (a chunk object holds its layers' parts back to back, so one 2D DMA per run of
+equally spaced objects covers the batch), then one kernel scatters every layer's pages
+into the paged caches, summing every word on the way (kernels.load_rows: one plan per
+step, shifted per layer and object). Kernels touch device memory only, so they hold the
+SMs for microseconds, not for the transfer (docs/benchmarks.md). The compute stream
+never waits on the host:
 
-- load: ``batches`` plans a step's batches of a group at once (their DMAs, one upload of
-  every batch's bases, one zeroed sums tensor: device_work.BatchLoad), then
-  ``queue_batch`` queues a batch's copy and returns its event, with no host wait;
-  the worker queues the batches before the forward or as it goes (``queue_window``) and
-  ``wait_for_layer_load`` makes the compute stream wait on the event of that layer's
-  batch. ``check_loads`` compares the
-  sums once the copies are done (at the end of the step), and a mismatch becomes a failed
-  load. The DMAs run on a stage stream into two staging buffers used in turn, the
-  kernels on the load stream: the copy engine fills one buffer while a kernel drains the
-  other. The host's work per step grows with the number of batches, not of layers.
-- save: the copy of a layer starts from an event recorded on the compute stream right
-  after the layer wrote its KV; the headers (with the sums the copy accumulated) are
-  written when the copy is done, before the objects are committed.
+- load: ``batches`` plans a step's batches of a group at once (device_work.BatchLoad;
+  one upload of the index arrays the device lacks, one zeroed sums tensor) and starts
+  the first DMAs; ``queue_batch`` queues a batch and returns its event, and
+  ``wait_for_layer_load`` makes the compute stream wait on it. DMAs run on the stage
+  stream into two staging buffers used in turn, kernels on the load stream, so the
+  link fills one buffer while a kernel drains the other. ``check_loads`` compares the
+  sums at the end of the step; a mismatch becomes a failed load.
+- save: a layer's gather kernel (gather stream) starts from an event the compute stream
+  records after the layer wrote its KV, its DMAs follow on the save stream, so a gather
+  runs under the DMA of the layer before. Headers (with the sums) are written once the
+  copies are done, before the objects are committed.
 
-Layers stored with the int8 codec take the same DMAs (half the bytes), a batch each;
-their pages are dequantized by one kernel per layer and quantized by whole-class tensor
-ops (int8_path.py), with word sums per object.
-
-vLLM-free, so ``benchmarks/layerwise.py`` drives exactly this code.
+int8 layers take the same DMAs (half the bytes), a batch each, dequantized by one kernel
+per layer and quantized by whole-class tensor ops (int8_path.py). vLLM-free, so
+``benchmarks/layerwise.py`` drives exactly this code.
 """
 
 from __future__ import annotations
@@ -86,9 +80,11 @@ class DevicePath:
                       for name in self.plans}
         self.load_stream = self.dev.stream()
         self.stage_stream = self.dev.stream()  # loads' DMAs, ahead of the load stream's kernels
-        self.save_stream = self.dev.stream()
+        self.save_stream = self.dev.stream()  # saves' DMAs, behind the gather stream's kernels
+        self.gather_stream = self.dev.stream()
         self._ring: list[list] = [[None, None], [None, None]]  # staging buffer, event of its last reader
         self._next = 0
+        self._layer_bases: dict[tuple[str, ...], torch.Tensor] = {}  # a batch's layers -> their cache bases
         self._arena: tuple[object, object, torch.Tensor] | None = None  # (epoch, view, bytes)
 
     def warm_up(self) -> None:
@@ -147,9 +143,10 @@ class DevicePath:
         """A group's layers (model order) in the batches they load in, planned: consecutive
         raw layers of one page shape and one step plan, until a batch holds
         ``BATCH_BYTES``; int8 layers alone. With ``arena`` (the step's only group), the
-        first batches' DMAs are queued as soon as they are planned, one per staging
-        buffer, so the link starts while the host plans the rest (their kernels follow
-        in ``queue_batch``, in order)."""
+        first batch's DMAs start once it is planned, the second's once the uploads are
+        queued (copies of one direction can share a copy engine's queue whatever their
+        streams: an upload behind both batches held the first kernel back a whole batch,
+        traced on the H200, docs/benchmarks.md); their kernels follow in ``queue_batch``."""
         if not layers:
             return []
         parts = np.array([o.offsets for o in layers], dtype=np.int64).reshape(len(layers), -1)
@@ -166,12 +163,15 @@ class DevicePath:
             held += nbytes
         ends = firsts[1:] + [len(layers)]
         planned = [BatchLoad(layers[a:b], parts[a:b], sizes[a:b]) for a, b in zip(firsts, ends)]
-        self._plan_dmas(planned)
-        if arena is not None and self.dev.is_accelerator:
-            for bl in planned[:len(self._ring)]:
-                self._stage(arena, bl)
+        early = planned[:len(self._ring)] if arena is not None and self.dev.is_accelerator else []
+        self._plan_dmas(planned[:1])
+        for bl in early[:1]:
+            self._stage(arena, bl)
+        self._plan_dmas(planned[1:])
         self._plan_raw([bl for bl in planned if bl.layers[0].name not in self.int8])
         self._plan_int8([bl for bl in planned if bl.layers[0].name in self.int8])
+        for bl in early[1:]:
+            self._stage(arena, bl)
         return planned
 
     def _plan_int8(self, bls: list[BatchLoad]) -> None:
@@ -198,35 +198,44 @@ class DevicePath:
             bl.sums = part
 
     def _plan_raw(self, raw: list[BatchLoad]) -> None:
-        """Plan raw batches: their DMAs, and on an accelerator one upload of every batch's
-        bases and one zeroed sums tensor, queued on the load stream ahead of their kernels."""
+        """Plan raw batches: row plans, where each [layer, object] payload starts. On CUDA
+        one upload of the index arrays the device lacks (a plan's segments and each payload
+        layout once a step, a batch's cache bases once), one zeroed sums tensor for all."""
         if not raw:
             return
-        flat, rows = [], 0  # each batch's bases: [layer, object] payload starts, then its layers'
         for bl in raw:
             bl.plan = bl.layers[0].plan().rows(self.shapes[bl.layers[0].name])
             bl.obj_base = (bl.starts + HEADER_BYTES) // WORD  # [layer, object] payload start, words
             if self.dev.type != "cuda":  # torch ops stand in for the kernel (CPU, NPU)
                 bl.sums = torch.zeros((*bl.obj_base.shape, 2), dtype=torch.int64, device=self.dev.device)
-                continue
-            layer_base = np.asarray([self.bases[o.name] for o in bl.layers], dtype=np.int64)
-            flat += [bl.obj_base.reshape(-1), layer_base]
-            rows += bl.obj_base.size
         if self.dev.type != "cuda":
             return
+        plans = {id(bl.plan): bl.plan for bl in raw if bl.plan.device_segs is None}
+        placed: dict[tuple, list[BatchLoad]] = {}  # payload layout -> its batches
+        for bl in raw:
+            placed.setdefault((bl.obj_base.shape, bl.obj_base.tobytes()), []).append(bl)
+        names = [tuple(o.name for o in bl.layers) for bl in raw]
+        bases = {n: np.asarray([self.bases[x] for x in n], dtype=np.int64)
+                 for n in names if n not in self._layer_bases}
+        rows = [a for p in plans.values() for a in (p.obj_of_seg, p.payload_word, p.cache_word)]
+        rows += [bls[0].obj_base.reshape(-1) for bls in placed.values()] + list(bases.values())
         with self.dev.use(self.load_stream):
-            for bl in raw:
-                if bl.plan.device_segs is None:  # once per step and plan
-                    bl.plan.device_segs = to_device_rows([bl.plan.obj_of_seg, bl.plan.payload_word,
-                                                          bl.plan.cache_word], self.dev.device)
-            bases = to_device_rows(flat, self.dev.device)
-            sums = torch.zeros((rows, 2), dtype=torch.int64, device=self.dev.device)  # rows of 16 bytes
+            got = iter(to_device_rows(rows, self.dev.device))
+            total = sum(bl.obj_base.size for bl in raw)
+            sums = torch.zeros((total, 2), dtype=torch.int64, device=self.dev.device)  # rows of 16 bytes
+        for p in plans.values():
+            p.device_segs = [next(got) for _ in range(3)]
+        for (shape, _), bls in placed.items():
+            obj_base = next(got).view(shape)
+            for bl in bls:
+                bl.obj_base = obj_base
+        self._layer_bases.update((n, next(got)) for n in bases)
+        for bl, n in zip(raw, names):
+            bl.layer_base = self._layer_bases[n]
         row = 0
-        for bl, obj_base, layer_base in zip(raw, bases[0::2], bases[1::2]):
-            k = bl.obj_base.size
-            bl.sums = sums[row:row + k].view(*bl.obj_base.shape, 2)
-            bl.obj_base, bl.layer_base = obj_base.view(bl.obj_base.shape), layer_base
-            row += k
+        for bl in raw:
+            bl.sums_at = (sums, row)
+            row += bl.obj_base.numel()
 
     def _plan_dmas(self, bls: list[BatchLoad]) -> None:
         """On an accelerator, each batch's DMAs into staging (kept in the step's planner, as
@@ -271,11 +280,8 @@ class DevicePath:
         return out
 
     def _load_raw(self, arena: torch.Tensor, bl: BatchLoad) -> torch.Tensor:
-        """Queue a planned batch of raw layers. On an accelerator the copy engine moves
-        their parts into device memory, then one kernel scatters every layer's pages into
-        its cache and sums them; kernels never wait on the link, so compute keeps every
-        SM. Elsewhere torch ops copy the pages a layer at a time (on CPU straight from the
-        arena)."""
+        """Queue a planned batch of raw layers: on an accelerator from staging, one kernel
+        for the batch; elsewhere torch ops a layer at a time (on CPU from the arena)."""
         plan = bl.plan
         src = self._staged(arena, bl) if self.dev.is_accelerator else arena
         if self.dev.type != "cuda":
@@ -284,6 +290,8 @@ class DevicePath:
                                     [self.plans[o.name].origin // WORD for o in bl.layers], bl.sums,
                                     plan.seg_words)
             return bl.sums
+        sums, row = bl.sums_at
+        bl.sums = sums[row:row + bl.obj_base.numel()].view(*bl.obj_base.shape, 2)
         kernels.load_rows(src.view(torch.int64), self.base_words, plan.device_segs, bl.obj_base,
                           bl.layer_base, bl.sums, plan.seg_words)
         return bl.sums
@@ -304,10 +312,9 @@ class DevicePath:
         return bl.staging
 
     def _ring_slot(self, nbytes: int) -> tuple[list, torch.Tensor]:
-        """The next of two staging buffers, once the kernel that last read it is done:
-        while one layer's kernel reads a buffer the copy engine fills the other, so the
-        link never waits for a kernel. The buffers grow to the largest layer seen. Slots
-        are taken in the order the batches' kernels are queued."""
+        """The next of two staging buffers, once the kernel that last read it is done, so
+        the link fills one while a kernel drains the other (grown to the largest batch
+        seen; taken in the order the batches' kernels are queued)."""
         self._next = (self._next + 1) % len(self._ring)
         entry = self._ring[self._next]
         if entry[0] is None or entry[0].numel() < nbytes:
@@ -327,34 +334,39 @@ class DevicePath:
     # -- saves --------------------------------------------------------------------
     def save_layer(self, arena: torch.Tensor, objs: LayerObjects, after) -> QueuedSave:
         """Queue the copy of one layer's objects into their arena slots once ``after``
-        (an event on the compute stream) has passed. On an accelerator a kernel gathers
-        the pages into device memory (summing them) and the copy engine moves each
-        payload into its slot."""
+        (an event on the compute stream) has passed: on an accelerator a kernel gathers
+        and sums the pages into device memory, the copy engine moves them to the slots."""
         plan = self.plans.get(objs.name)
-        with self.dev.use(self.save_stream):
-            self.dev.wait(after, self.save_stream)
-            if objs.name in self.int8:
-                return self._save_int8(arena, objs)
-            if not self.dev.is_accelerator:
+        if objs.name in self.int8 or not self.dev.is_accelerator:
+            with self.dev.use(self.save_stream):
+                self.dev.wait(after, self.save_stream)
+                if objs.name in self.int8:
+                    return self._save_int8(arena, objs)
                 copy = objs.plan().layer(plan, np.asarray(objs.offsets, dtype=np.int64) + HEADER_BYTES,
                                          load=False)
                 sums = run_copy(copy, self.words[objs.name], arena.view(torch.int64), self.dev.device)
                 return QueuedSave(objs, None, sums)
-            # The parts in staging as a load stages them (headers too: they ride along in
-            # the 2D copies and are rewritten at the commit); the step's layers share a plan.
-            parts = np.asarray(objs.offsets, dtype=np.int64)[None]
-            ((runs, nbytes, starts),) = dma_plans([(parts, np.asarray(objs.sizes, dtype=np.int64)[None])],
-                                                  objs.plan().dmas)
+        # The parts in staging as a load stages them (headers too: they ride along in the 2D
+        # copies and are rewritten at the commit); the step's layers share a plan.
+        parts = np.asarray(objs.offsets, dtype=np.int64)[None]
+        ((runs, nbytes, starts),) = dma_plans([(parts, np.asarray(objs.sizes, dtype=np.int64)[None])],
+                                              objs.plan().dmas)
+        # The gather runs on its own stream, so a layer's kernel runs while the copy engine
+        # still moves the layer before (on one stream each kernel waited for the last DMA).
+        with self.dev.use(self.gather_stream):
+            self.dev.wait(after, self.gather_stream)
             staging = torch.empty(nbytes, dtype=torch.uint8, device=self.dev.device)
             # The page shape's plan, read from where this layer's cache starts: the step's
             # layers of one shape share it, so its offsets go to the device once a step.
             copy = objs.plan().layer(self.shapes[objs.name], starts[0] + HEADER_BYTES, load=False)
             src = self.words[objs.name][plan.origin // WORD:]
             sums = run_copy(copy, src, staging.view(torch.int64), self.dev.device)
-            for at, width, dst, pitch, count in runs:
-                self.dev.copy_2d(arena, dst, pitch, staging, at, width, width, count, self.save_stream)
-            done = self.dev.record(self.save_stream)
-        return QueuedSave(objs, done, sums, staging)
+            gathered = self.dev.record(self.gather_stream)
+        staging.record_stream(self.save_stream)
+        self.dev.wait(gathered, self.save_stream)
+        for at, width, dst, pitch, count in runs:
+            self.dev.copy_2d(arena, dst, pitch, staging, at, width, width, count, self.save_stream)
+        return QueuedSave(objs, self.dev.record(self.save_stream), sums, staging)
 
     def _save_int8(self, arena: torch.Tensor, objs: LayerObjects) -> QueuedSave:
         """Quantize a layer's blocks per size class of objects (whole-class tensor ops),

@@ -83,6 +83,7 @@ class BatchLoad:
     obj_base: torch.Tensor | np.ndarray | None = None
     layer_base: torch.Tensor | None = None
     sums: torch.Tensor | None = None
+    sums_at: tuple[torch.Tensor, int] | None = None  # CUDA: the step's sums tensor, first row
 
 
 @dataclass

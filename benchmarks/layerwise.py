@@ -23,6 +23,7 @@ at the end). For each case, in one run:
 Runs with torch, triton and this package only (no vLLM):
     python benchmarks/layerwise.py [--cached 4096 16384 32768] [--new 512 2048] [--geometry ...]
                                    [--codec raw int8] [--json out.json] [--profile FILE]
+                                   [--timeline DIR]
 """
 
 from __future__ import annotations
@@ -96,8 +97,27 @@ def sync(dev) -> None:
         torch.cuda.synchronize()
 
 
+def timeline(trace: str) -> dict:
+    """Where one traced call's time went (a torch.profiler chrome trace, CUDA activity on
+    the host's clock): ms from the call's start to its first DMA, the DMAs' busy time and
+    the gaps between them, from the last DMA's end to the last kernel's end and to the
+    call's end."""
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    call = next(e for e in events if e.get("cat") == "user_annotation" and e["name"] == "call")
+    t0, t1 = call["ts"], call["ts"] + call["dur"]
+    dmas = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_memcpy")
+    kernels = [e["ts"] + e["dur"] for e in events if e.get("cat") == "kernel"]
+    gaps = sum(max(0.0, b[0] - a[1]) for a, b in zip(dmas, dmas[1:]))
+    last = dmas[-1][1] if dmas else t0
+    return {"to_first_dma_ms": ((dmas[0][0] if dmas else t0) - t0) / 1e3,
+            "dma_busy_ms": sum(b - a for a, b in dmas) / 1e3, "dma_gaps_ms": gaps / 1e3, "dmas": len(dmas),
+            "last_kernel_after_dma_ms": (max(kernels, default=last) - last) / 1e3,
+            "end_after_dma_ms": (t1 - last) / 1e3, "call_ms": (t1 - t0) / 1e3}
+
+
 def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_name: str = "raw",
-             profile: cProfile.Profile | None = None) -> dict:
+             profile: cProfile.Profile | None = None, trace_dir: str | None = None) -> dict:
     dev = torch.device(device)
     nblocks = cached // BLOCK
     caches = [torch.zeros(2, nblocks + 8, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
@@ -226,6 +246,16 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
             timed(fn)
             profile.disable()
     t_save, save_host = map(med, zip(*[(timed(save_all), host[save_all]) for _ in range(reps)]))
+    traced = {}
+    if trace_dir is not None:  # one traced call of each, after the timed ones
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        for fn in (ceiling, load_only, save_all, overlap):
+            with torch.profiler.profile(activities=acts) as prof:
+                with torch.profiler.record_function("call"):
+                    timed(fn)
+            path_ = os.path.join(trace_dir, f"{cached}_{new}_{codec_name}_{fn.__name__}.json")
+            prof.export_chrome_trace(path_)
+            traced[fn.__name__] = timeline(path_)
     hidden = max(0.0, min(1.0, (t_load + t_comp - t_over) / t_load))
     path.close()
     saver.close()
@@ -236,7 +266,8 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
             "load_gbs": kv_bytes / t_load / 1e9, "load_pct_ceiling": 100 * t_ceil / t_load,
             "save_gbs": kv_bytes / t_save / 1e9, "save_pct_ceiling": 100 * t_ceil / t_save,
             "compute_ms": t_comp * 1e3, "overlap_ms": t_over * 1e3, "hidden_pct": 100 * hidden,
-            "batches": host["batches"], "load_host_ms": load_host * 1e3, "save_host_ms": save_host * 1e3}
+            "batches": host["batches"], "load_host_ms": load_host * 1e3, "save_host_ms": save_host * 1e3,
+            "timeline": traced}
 
 
 def main() -> None:
@@ -251,6 +282,8 @@ def main() -> None:
                     help="int8: half the bytes over the link; the ceiling stays the raw bytes' copy")
     ap.add_argument("--profile", metavar="FILE", help="cProfile the host's part of one load and one save "
                     "per case; a summary goes to FILE")
+    ap.add_argument("--timeline", metavar="DIR", help="trace one ceiling, load, save and overlap per case "
+                    "(torch.profiler; chrome traces into DIR) and print where each one's time went")
     args = ap.parse_args()
     profile = cProfile.Profile() if args.profile else None
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
@@ -263,11 +296,17 @@ def main() -> None:
     for geometry in args.geometry:
         use(geometry)
         for codec, cached, new in itertools.product(args.codec, args.cached, args.new):
+            trace_dir = os.path.join(args.timeline, geometry.replace("/", "_")) if args.timeline else None
+            if trace_dir:
+                os.makedirs(trace_dir, exist_ok=True)
             r = {"geometry": geometry, "codec": codec, **run_case(cached, new, args.reps, args.device, codec,
-                                                                     profile)}
+                                                                     profile, trace_dir)}
             rows.append(r)
             print(" ".join(f"{r[c]:>16.2f}" if isinstance(r[c], float) else f"{r[c]:>16}" for c in cols),
                   flush=True)
+            for fn, t in r["timeline"].items():
+                print(f"  {fn:>10}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                                  for k, v in t.items()), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "rows": rows}, f, indent=1)
