@@ -99,9 +99,11 @@ def sync(dev) -> None:
 
 def timeline(trace: str) -> dict:
     """Where one traced call's time went (a torch.profiler chrome trace, CUDA activity on
-    the host's clock): ms from the call's start to its first DMA, the DMAs' busy time and
-    the gaps between them, from the last DMA's end to the last kernel's end and to the
-    call's end."""
+    the host's clock): ms from the call's start to its first copy, the copies' busy time
+    and the gaps between them, from the last copy's end to the last kernel's end and to
+    the call's end. Every copy counts, not only the batches' DMAs: a load's index upload
+    and its sums' copy back are copies too, so the gaps include the wait before that copy
+    back and the last copy may end after the last kernel (a negative kernel figure)."""
     with open(trace) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     call = next(e for e in events if e.get("cat") == "user_annotation" and e["name"] == "call")
