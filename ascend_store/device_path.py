@@ -10,14 +10,15 @@ step, shifted per layer and object). Kernels touch device memory only, so they h
 SMs for microseconds, not for the transfer (docs/benchmarks.md). The compute stream
 never waits on the host:
 
-- load: ``batches`` plans a step's batches of a group at once (device_work.BatchLoad;
-  one upload of the index arrays the device lacks, one zeroed sums tensor) and starts
-  the first DMAs; ``queue_batch`` queues a batch and returns its event, and
-  ``wait_for_layer_load`` makes the compute stream wait on it. DMAs run on the stage
-  stream into two staging buffers used in turn, kernels on the load stream, so the
-  link fills one buffer while a kernel drains the other. ``check_loads`` compares the
-  sums at the end of the step; a mismatch becomes a failed load.
-- save: a layer's gather kernel (gather stream) starts from an event the compute stream
+- load: ``batches`` splits a step's layers of a group into batches
+  (device_work.BatchLoad; one zeroed sums tensor), plans the first two (one upload of
+  the index arrays the device lacks) and starts their DMAs; ``queue_batch`` plans a
+  later batch, queues it and returns its event, and ``wait_for_layer_load`` makes the
+  compute stream wait on it. DMAs run on the stage stream into two staging buffers used
+  in turn, kernels on the load stream, so the link fills one buffer while a kernel
+  drains the other. ``check_loads`` copies the step's sums back once and compares them
+  in one numpy pass; a mismatch becomes a failed load.
+- save (device_saves.py): a layer's gather kernel (gather stream) starts from an event the compute stream
   records after the layer wrote its KV, its DMAs follow on the save stream, so a gather
   runs under the DMA of the layer before. Headers (with the sums) are written once the
   copies are done, before the objects are committed.
@@ -35,24 +36,23 @@ import numpy as np
 import torch
 
 from ascend_store import int8_path, kernels
+from ascend_store.checksum import fold_array
 from ascend_store.device import Device
-from ascend_store.device_work import BATCH_BYTES, BatchLoad, LayerObjects, QueuedLoad, QueuedSave
+from ascend_store.device_saves import DeviceSaves
+from ascend_store.device_work import BATCH_BYTES, BatchLoad, LayerObjects, QueuedLoad
 from ascend_store.segments import (
     WORD,
     StepPages,
     dma_plans,
-    dma_runs,
-    fold_alike,
+    host_array,
     page_plan,
-    run_copy,
     storage_words,
-    to_device,
     to_device_rows,
 )
 from ascend_store.transfer import HEADER_BYTES, LayerLayout
 
 
-class DevicePath:
+class DevicePath(DeviceSaves):
     CODECS = ("raw", "int8")
 
     def __init__(self, device: torch.device, layouts: dict[str, LayerLayout], codecs: dict | None = None):
@@ -140,13 +140,15 @@ class DevicePath:
 
     # -- loads --------------------------------------------------------------------
     def batches(self, layers: list[LayerObjects], arena: torch.Tensor | None = None) -> list[BatchLoad]:
-        """A group's layers (model order) in the batches they load in, planned: consecutive
-        raw layers of one page shape and one step plan, until a batch holds
-        ``BATCH_BYTES``; int8 layers alone. With ``arena`` (the step's only group), the
-        first batch's DMAs start once it is planned, the second's once the uploads are
-        queued (copies of one direction can share a copy engine's queue whatever their
-        streams: an upload behind both batches held the first kernel back a whole batch,
-        traced on the H200, docs/benchmarks.md); their kernels follow in ``queue_batch``."""
+        """A group's layers (model order) in the batches they load in: consecutive raw layers
+        of one page shape and one step plan, until a batch holds ``BATCH_BYTES``; int8 layers
+        alone. The first two batches are planned now, the others when queued (a batch costs
+        the host ~15-30 us to plan: planning a step's 28 first held the link idle for most of
+        a batch, traced on the H200, docs/benchmarks.md). With ``arena`` (the step's only
+        group) the first batch's DMAs start once it is planned, the second's once the uploads
+        its kernel needs are queued (copies of one direction can share a copy engine's queue
+        whatever their streams: an upload behind both batches held the first kernel back a
+        whole batch); their kernels follow in ``queue_batch``."""
         if not layers:
             return []
         parts = np.array([o.offsets for o in layers], dtype=np.int64).reshape(len(layers), -1)
@@ -163,22 +165,29 @@ class DevicePath:
             held += nbytes
         ends = firsts[1:] + [len(layers)]
         planned = [BatchLoad(layers[a:b], parts[a:b], sizes[a:b]) for a, b in zip(firsts, ends)]
-        early = planned[:len(self._ring)] if arena is not None and self.dev.is_accelerator else []
-        self._plan_dmas(planned[:1])
+        head = planned[:len(self._ring)]
+        early = head if arena is not None and self.dev.is_accelerator else []
+        self._plan_dmas(head[:1])
         for bl in early[:1]:
             self._stage(arena, bl)
-        self._plan_dmas(planned[1:])
-        self._plan_raw([bl for bl in planned if bl.layers[0].name not in self.int8])
-        self._plan_int8([bl for bl in planned if bl.layers[0].name in self.int8])
+        # One zeroed sums tensor for the step's batches: a row per [layer, object].
+        with self.dev.use(self.load_stream):
+            sums = torch.zeros((parts.size, 2), dtype=torch.int64, device=self.dev.device)
+        for bl, a in zip(planned, firsts):
+            bl.sums_at = (sums, a * parts.shape[1])
+        self._plan_dmas(head[1:])
+        self._plan_kernels(head)
         for bl in early[1:]:
             self._stage(arena, bl)
         return planned
 
+    def _plan_kernels(self, bls: list[BatchLoad]) -> None:
+        self._plan_raw([bl for bl in bls if bl.layers[0].name not in self.int8])
+        self._plan_int8([bl for bl in bls if bl.layers[0].name in self.int8])
+
     def _plan_int8(self, bls: list[BatchLoad]) -> None:
-        """Plan int8 layers: their DMAs and dequantizing plans (layers placed alike share
-        one), and one zeroed sums tensor for all of them."""
-        if not bls:
-            return
+        """Plan int8 layers: their dequantizing plans (layers placed alike share one), on
+        CUDA uploaded once each."""
         for bl in bls:
             objs, sizes, starts = bl.layers[0], bl.sizes[0], bl.starts[0]
             layout = self.layouts[objs.name]
@@ -188,54 +197,42 @@ class DevicePath:
                 ("int8", layout.kv_dims, starts.tobytes(), sizes.tobytes()),
                 lambda: int8_path.int8_plan(planner.pages, starts, (sizes - HEADER_BYTES) // per_block,
                                             per_block, layout.kv_dims[1]))
-        counts = [len(bl.int8.obj_n) for bl in bls]
-        with self.dev.use(self.load_stream):
-            sums = torch.zeros((sum(counts), 2), dtype=torch.int64, device=self.dev.device)
             if self.dev.type == "cuda":  # the kernel's index arrays (elsewhere torch ops read numpy)
-                for bl in bls:
+                with self.dev.use(self.load_stream):
                     int8_path.upload(bl.int8, self.dev.device)
-        for bl, part in zip(bls, torch.split(sums, counts)):
-            bl.sums = part
 
     def _plan_raw(self, raw: list[BatchLoad]) -> None:
         """Plan raw batches: row plans, where each [layer, object] payload starts. On CUDA
-        one upload of the index arrays the device lacks (a plan's segments and each payload
-        layout once a step, a batch's cache bases once), one zeroed sums tensor for all."""
-        if not raw:
-            return
+        one upload of the index arrays the device lacks: a plan's segments and each payload
+        layout once a step (a step's one-layer batches share one), a batch's cache bases
+        once, so batches planned after the first two seldom upload anything."""
         for bl in raw:
             bl.plan = bl.layers[0].plan().rows(self.shapes[bl.layers[0].name])
             bl.obj_base = (bl.starts + HEADER_BYTES) // WORD  # [layer, object] payload start, words
-            if self.dev.type != "cuda":  # torch ops stand in for the kernel (CPU, NPU)
-                bl.sums = torch.zeros((*bl.obj_base.shape, 2), dtype=torch.int64, device=self.dev.device)
-        if self.dev.type != "cuda":
+        if self.dev.type != "cuda" or not raw:  # torch ops stand in for the kernel (CPU, NPU)
             return
         plans = {id(bl.plan): bl.plan for bl in raw if bl.plan.device_segs is None}
-        placed: dict[tuple, list[BatchLoad]] = {}  # payload layout -> its batches
-        for bl in raw:
-            placed.setdefault((bl.obj_base.shape, bl.obj_base.tobytes()), []).append(bl)
+        keys = [(bl.obj_base.shape, bl.obj_base.tobytes()) for bl in raw]
+        placed = {}  # payload layouts the step has not uploaded yet
+        for bl, key in zip(raw, keys):
+            if key not in bl.layers[0].plan().payloads:
+                placed.setdefault(key, bl)
         names = [tuple(o.name for o in bl.layers) for bl in raw]
         bases = {n: np.asarray([self.bases[x] for x in n], dtype=np.int64)
                  for n in names if n not in self._layer_bases}
         rows = [a for p in plans.values() for a in (p.obj_of_seg, p.payload_word, p.cache_word)]
-        rows += [bls[0].obj_base.reshape(-1) for bls in placed.values()] + list(bases.values())
-        with self.dev.use(self.load_stream):
-            got = iter(to_device_rows(rows, self.dev.device))
-            total = sum(bl.obj_base.size for bl in raw)
-            sums = torch.zeros((total, 2), dtype=torch.int64, device=self.dev.device)  # rows of 16 bytes
-        for p in plans.values():
-            p.device_segs = [next(got) for _ in range(3)]
-        for (shape, _), bls in placed.items():
-            obj_base = next(got).view(shape)
-            for bl in bls:
-                bl.obj_base = obj_base
-        self._layer_bases.update((n, next(got)) for n in bases)
-        for bl, n in zip(raw, names):
+        rows += [bl.obj_base.reshape(-1) for bl in placed.values()] + list(bases.values())
+        if rows:
+            with self.dev.use(self.load_stream):
+                got = iter(to_device_rows(rows, self.dev.device))
+            for p in plans.values():
+                p.device_segs = [next(got) for _ in range(3)]
+            for (shape, raw_key), bl in placed.items():
+                bl.layers[0].plan().payloads[(shape, raw_key)] = next(got).view(shape)
+            self._layer_bases.update((n, next(got)) for n in bases)
+        for bl, key, n in zip(raw, keys, names):
+            bl.obj_base = bl.layers[0].plan().payloads[key]
             bl.layer_base = self._layer_bases[n]
-        row = 0
-        for bl in raw:
-            bl.sums_at = (sums, row)
-            row += bl.obj_base.numel()
 
     def _plan_dmas(self, bls: list[BatchLoad]) -> None:
         """On an accelerator, each batch's DMAs into staging (kept in the step's planner, as
@@ -249,37 +246,56 @@ class DevicePath:
 
     def queue_batch(self, arena: torch.Tensor, bl: BatchLoad) -> QueuedLoad:
         """Queue a batch's copy from the arena into the caches (DMAs on the stage stream,
-        the kernel on the load stream); the forward may use its layers once its stream
-        waits on the returned ``done`` event."""
+        the kernel on the load stream), planning it first unless ``batches`` did; the
+        forward may use its layers once its stream waits on the returned ``done`` event."""
+        if bl.plan is None and bl.int8 is None:
+            self._plan_dmas([bl])
+            self._plan_kernels([bl])
+        sums, row = bl.sums_at
+        rows = sums[row:row + bl.parts.size]
         with self.dev.use(self.load_stream):
-            sums = self._load_int8(arena, bl) if bl.int8 is not None else self._load_raw(arena, bl)
+            if bl.int8 is not None:
+                bl.sums = rows  # [objects, 2]
+                self._load_int8(arena, bl)
+            else:
+                bl.sums = rows.view(*bl.parts.shape, 2)
+                self._load_raw(arena, bl)
             done = self.dev.record(self.load_stream)
             if bl.slot is not None:
                 bl.slot[1] = done  # the buffer's next DMA waits for this kernel
-            return QueuedLoad(bl.layers, done, sums)
+            return QueuedLoad(bl.layers, done, bl.sums, bl.sums_at)
 
     def check_loads(self, qs: list[QueuedLoad], verify: bool) -> list[list[list[int]]]:
         """Wait for a step's queued loads; per load, per layer, the indexes of objects whose
         word checksum does not match their header. Their blocks must be reported as failed
         loads (vLLM then recomputes them and drops the step's output for their requests), so
-        a bad object costs a recompute, never a wrong token. Loads alike (sharing a plan)
-        come back to the host in one copy and are folded in one numpy pass."""
+        a bad object costs a recompute, never a wrong token. The step's sums come back in
+        one copy and are folded and compared in one numpy pass."""
         for q in qs:
             if q.done is not None:
                 q.done.synchronize()
         out = [[[] for _ in q.layers] for q in qs]
-        if not verify:
+        if not verify or not qs:
             return out
         with self.dev.use(self.load_stream):  # on the compute stream, the copy would wait for the forward
-            got = fold_alike([q.sums for q in qs])
-        for q, per_layer, sums in zip(qs, out, got):
-            for r, objs in enumerate(q.layers):
-                if objs.stored is not None:
-                    stored = np.asarray(objs.stored, dtype=np.int64)
-                    per_layer[r] = np.flatnonzero((stored >= 0) & (stored != sums[r])).tolist()
+            steps = {id(q.sums_at[0]): q.sums_at[0] for q in qs}
+            host = {k: host_array(t) for k, t in steps.items()}
+        spans = [(host[id(t)], at, q.sums.numel() // 2) for q in qs for t, at in [q.sums_at]]
+        u = np.concatenate([h[at:at + n] for h, at, n in spans]).view(np.uint64)
+        folded = fold_array(u[:, 0], u[:, 1])
+        layers = [(i, r, objs, q.sums.shape[-2]) for i, q in enumerate(qs) for r, objs in enumerate(q.layers)]
+        stored = np.concatenate([np.full(n, -1, dtype=np.int64) if objs.stored is None
+                                 else np.asarray(objs.stored, dtype=np.int64) for _, _, objs, n in layers])
+        bad = np.flatnonzero((stored >= 0) & (stored != folded))
+        if bad.size:  # rare: find each one's load, layer and object
+            ends = np.cumsum([n for *_, n in layers])
+            for at in bad.tolist():
+                k = int(np.searchsorted(ends, at, side="right"))
+                i, r, _, n = layers[k]
+                out[i][r].append(at - int(ends[k]) + n)
         return out
 
-    def _load_raw(self, arena: torch.Tensor, bl: BatchLoad) -> torch.Tensor:
+    def _load_raw(self, arena: torch.Tensor, bl: BatchLoad) -> None:
         """Queue a planned batch of raw layers: on an accelerator from staging, one kernel
         for the batch; elsewhere torch ops a layer at a time (on CPU from the arena)."""
         plan = bl.plan
@@ -289,12 +305,9 @@ class DevicePath:
                                     (plan.obj_of_seg, plan.payload_word, plan.cache_word), bl.obj_base,
                                     [self.plans[o.name].origin // WORD for o in bl.layers], bl.sums,
                                     plan.seg_words)
-            return bl.sums
-        sums, row = bl.sums_at
-        bl.sums = sums[row:row + bl.obj_base.numel()].view(*bl.obj_base.shape, 2)
-        kernels.load_rows(src.view(torch.int64), self.base_words, plan.device_segs, bl.obj_base,
-                          bl.layer_base, bl.sums, plan.seg_words)
-        return bl.sums
+        else:
+            kernels.load_rows(src.view(torch.int64), self.base_words, plan.device_segs, bl.obj_base,
+                              bl.layer_base, bl.sums, plan.seg_words)
 
     def _stage(self, arena: torch.Tensor, bl: BatchLoad) -> None:
         """Queue a batch's DMAs into the next staging buffer (on the stage stream)."""
@@ -325,77 +338,8 @@ class DevicePath:
             self.dev.wait(entry[1], self.stage_stream)
         return entry, entry[0][:nbytes]
 
-    def _load_int8(self, arena: torch.Tensor, bl: BatchLoad) -> torch.Tensor:
+    def _load_int8(self, arena: torch.Tensor, bl: BatchLoad) -> None:
         """Dequantize a planned int8 layer's objects into the cache (one kernel,
-        int8_path.py); the payloads' word sums come back per object."""
+        int8_path.py), adding the payloads' word sums per object."""
         src = self._staged(arena, bl) if self.dev.is_accelerator else arena
-        return int8_path.load_layer(src, self.blocks_view[bl.layers[0].name], bl.int8, bl.sums)
-
-    # -- saves --------------------------------------------------------------------
-    def save_layer(self, arena: torch.Tensor, objs: LayerObjects, after) -> QueuedSave:
-        """Queue the copy of one layer's objects into their arena slots once ``after``
-        (an event on the compute stream) has passed: on an accelerator a kernel gathers
-        and sums the pages into device memory, the copy engine moves them to the slots."""
-        plan = self.plans.get(objs.name)
-        if objs.name in self.int8 or not self.dev.is_accelerator:
-            with self.dev.use(self.save_stream):
-                self.dev.wait(after, self.save_stream)
-                if objs.name in self.int8:
-                    return self._save_int8(arena, objs)
-                copy = objs.plan().layer(plan, np.asarray(objs.offsets, dtype=np.int64) + HEADER_BYTES,
-                                         load=False)
-                sums = run_copy(copy, self.words[objs.name], arena.view(torch.int64), self.dev.device)
-                return QueuedSave(objs, None, sums)
-        # The parts in staging as a load stages them (headers too: they ride along in the 2D
-        # copies and are rewritten at the commit); the step's layers share a plan.
-        parts = np.asarray(objs.offsets, dtype=np.int64)[None]
-        ((runs, nbytes, starts),) = dma_plans([(parts, np.asarray(objs.sizes, dtype=np.int64)[None])],
-                                              objs.plan().dmas)
-        # The gather runs on its own stream, so a layer's kernel runs while the copy engine
-        # still moves the layer before (on one stream each kernel waited for the last DMA).
-        with self.dev.use(self.gather_stream):
-            self.dev.wait(after, self.gather_stream)
-            staging = torch.empty(nbytes, dtype=torch.uint8, device=self.dev.device)
-            # The page shape's plan, read from where this layer's cache starts: the step's
-            # layers of one shape share it, so its offsets go to the device once a step.
-            copy = objs.plan().layer(self.shapes[objs.name], starts[0] + HEADER_BYTES, load=False)
-            src = self.words[objs.name][plan.origin // WORD:]
-            sums = run_copy(copy, src, staging.view(torch.int64), self.dev.device)
-            gathered = self.dev.record(self.gather_stream)
-        staging.record_stream(self.save_stream)
-        self.dev.wait(gathered, self.save_stream)
-        for at, width, dst, pitch, count in runs:
-            self.dev.copy_2d(arena, dst, pitch, staging, at, width, width, count, self.save_stream)
-        return QueuedSave(objs, self.dev.record(self.save_stream), sums, staging)
-
-    def _save_int8(self, arena: torch.Tensor, objs: LayerObjects) -> QueuedSave:
-        """Quantize a layer's blocks per size class of objects (whole-class tensor ops),
-        sum the payloads, and move them into their slots with 2D copies."""
-        codec, layout = self.int8[objs.name], self.layouts[objs.name]
-        offsets = np.asarray(objs.offsets, dtype=np.int64)
-        sizes = np.asarray(objs.sizes, dtype=np.int64)
-        sums = torch.zeros((len(offsets), 2), dtype=torch.int64, device=self.dev.device)
-        keep = []
-        view = self.blocks_view[objs.name]
-        for idx, rows, got in int8_path.quantize_classes(view, sizes, objs.plan().pages, codec, layout):
-            sums.index_copy_(0, to_device(idx, self.dev.device), got)  # a pageable copy would block
-            width = rows.shape[1]
-            flat = rows.view(-1)
-            for first, count, pitch in dma_runs(offsets[idx] + HEADER_BYTES, sizes[idx] - HEADER_BYTES):
-                at = int(offsets[idx[first]]) + HEADER_BYTES
-                self.dev.copy_2d(arena, at, pitch, flat, first * width, width, width, count, self.save_stream)
-            keep.append(rows)
-        return QueuedSave(objs, self.dev.record(self.save_stream), sums, keep)
-
-    def finish_saves(self, qs: list[QueuedSave]) -> list[np.ndarray]:
-        """``finish_save`` for a step's layers at once (one numpy pass per shared plan)."""
-        for q in qs:
-            if q.done is not None:
-                q.done.synchronize()
-        with self.dev.use(self.save_stream):  # not behind the compute stream's queued work
-            got = fold_alike([q.sums for q in qs])
-        return [g[0] for g in got]
-
-    def finish_save(self, q: QueuedSave) -> list[int]:
-        """Wait for a queued save; returns each object's folded word checksum."""
-        return self.finish_saves([q])[0].tolist()
+        int8_path.load_layer(src, self.blocks_view[bl.layers[0].name], bl.int8, bl.sums)

@@ -82,8 +82,8 @@ class BatchLoad:
     landed: object = None  # event: its DMAs are done
     obj_base: torch.Tensor | np.ndarray | None = None
     layer_base: torch.Tensor | None = None
-    sums: torch.Tensor | None = None
-    sums_at: tuple[torch.Tensor, int] | None = None  # CUDA: the step's sums tensor, first row
+    sums: torch.Tensor | None = None  # its rows of sums_at, once queued
+    sums_at: tuple[torch.Tensor, int] | None = None  # the step's sums tensor, the batch's first row
 
 
 @dataclass
@@ -91,6 +91,7 @@ class QueuedLoad:
     layers: list[LayerObjects]  # the batch (int8: one layer)
     done: object  # device event (None on CPU, where the copy is done on return)
     sums: torch.Tensor  # per object (raw: [layers, objects, 2]; int8: [objects, 2])
+    sums_at: tuple[torch.Tensor, int]  # where they are in the step's sums (BatchLoad.sums_at)
 
 
 @dataclass

@@ -146,6 +146,7 @@ class CopyPlanner:
         self._cache: dict[PagePlan, tuple] = {}
         self._copies: dict[tuple, LayerCopy] = {}
         self.dmas: dict[tuple, tuple] = {}  # the step's DMA plans (dma_plans)
+        self.payloads: dict[tuple, object] = {}  # the step's payload layouts on the device (DevicePath)
 
     def _cache_side(self, plan: PagePlan):
         got = self._cache.get(plan)

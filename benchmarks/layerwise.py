@@ -148,8 +148,8 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
                             [f"k/L{li}/{c}" for c in range(nobj)], planner=planner)
         filler_path = DevicePath(dev, {name: filler}, {name: codec})
         q = filler_path.save_layer(arena, objs, None)
-        objs.stored = filler_path.finish_save(q)  # what the worker reads from the headers
-        for off, s in zip(offs, objs.stored):
+        objs.stored = filler_path.finish_saves([q])[0]  # what the worker reads from the headers
+        for off, s in zip(offs, objs.stored.tolist()):
             seal(arena[off:off + per_obj], per_obj - HEADER_BYTES, layouts[name], "k", codec, True, wsum=s)
         layers.append(objs)
     kv_bytes = 2 * nblocks * BLOCK * KV_HEADS * HEAD_DIM * 2 * LAYERS
@@ -165,10 +165,18 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
             x = model.layer(x, caches[li], blocks)
         return x
 
+    def new_step() -> None:
+        """A step's planner, as the worker builds one per step: its plans and uploads are
+        not carried from one timed call to the next."""
+        planner = CopyPlanner(StepPages.of(chunks, [0] * nobj))
+        for objs in layers:
+            objs.planner = planner
+
     def loader(window: int):
         """The worker's queueing (loads.py): the batches of the first ``window`` layers
         now, each later one from the wait of the layer ``window`` before it; returns the
         queued loads and the wait to call before each layer."""
+        new_step()
         batches = path.batches(layers, arena)
         first = [names.index(b.layers[0].name) for b in batches]
         compute = path.dev.current()
@@ -210,6 +218,7 @@ def run_case(cached: int, new: int, reps: int = 5, device: str = "cuda", codec_n
     save_arena = saver.arena(0, save_map)
 
     def save_all():  # every layer's blocks into its object slots, as a prefill would
+        new_step()
         t0 = time.perf_counter()
         qs = [saver.save_layer(save_arena, objs, None) for objs in layers]
         queued_by(save_all, t0)
