@@ -18,9 +18,9 @@ never waits on the host:
   in turn, kernels on the load stream, so the link fills one buffer while a kernel
   drains the other. ``check_loads`` copies the step's sums back once and compares them
   in one numpy pass; a mismatch becomes a failed load.
-- save (device_saves.py): a layer's gather kernel (gather stream) starts from an event the compute stream
-  records after the layer wrote its KV, its DMAs follow on the save stream, so a gather
-  runs under the DMA of the layer before. Headers (with the sums) are written once the
+- save (device_saves.py): a layer's gather kernel (gather stream) starts from an event
+  the compute stream records after the layer wrote its KV, its DMAs follow on the save
+  stream, so a gather runs under the DMA of the layer before. Headers (with the sums) are written once the
   copies are done, before the objects are committed.
 
 int8 layers take the same DMAs (half the bytes), a batch each, dequantized by one kernel
@@ -213,22 +213,23 @@ class DevicePath(DeviceSaves):
             return
         plans = {id(bl.plan): bl.plan for bl in raw if bl.plan.device_segs is None}
         keys = [(bl.obj_base.shape, bl.obj_base.tobytes()) for bl in raw]
-        placed = {}  # payload layouts the step has not uploaded yet
+        placed = {}  # payload layouts a batch's step planner lacks: (planner's, layout) -> (its dict, batch)
         for bl, key in zip(raw, keys):
-            if key not in bl.layers[0].plan().payloads:
-                placed.setdefault(key, bl)
+            payloads = bl.layers[0].plan().payloads
+            if key not in payloads:
+                placed.setdefault((id(payloads), key), (payloads, bl))
         names = [tuple(o.name for o in bl.layers) for bl in raw]
         bases = {n: np.asarray([self.bases[x] for x in n], dtype=np.int64)
                  for n in names if n not in self._layer_bases}
         rows = [a for p in plans.values() for a in (p.obj_of_seg, p.payload_word, p.cache_word)]
-        rows += [bl.obj_base.reshape(-1) for bl in placed.values()] + list(bases.values())
+        rows += [bl.obj_base.reshape(-1) for _, bl in placed.values()] + list(bases.values())
         if rows:
             with self.dev.use(self.load_stream):
                 got = iter(to_device_rows(rows, self.dev.device))
             for p in plans.values():
                 p.device_segs = [next(got) for _ in range(3)]
-            for (shape, raw_key), bl in placed.items():
-                bl.layers[0].plan().payloads[(shape, raw_key)] = next(got).view(shape)
+            for (_, key), (payloads, _) in placed.items():
+                payloads[key] = next(got).view(key[0])
             self._layer_bases.update((n, next(got)) for n in bases)
         for bl, key, n in zip(raw, keys, names):
             bl.obj_base = bl.layers[0].plan().payloads[key]

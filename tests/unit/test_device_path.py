@@ -349,3 +349,23 @@ def test_steps_of_any_size_compile_no_kernel_after_warm_up():
             assert path.check_loads([path.queue_batch(arena, path.batches([o])[0])], True) == [[[]]]
         assert variants() == before
         path.close()
+
+
+def test_payload_layouts_are_kept_per_step_planner():
+    """Batches of one ``batches`` call with planners of their own and the same staging
+    layout each get that layout on the device, in their own planner (the memo a later
+    batch of the step reads). The CUDA branch of the planning runs here with the device
+    calls on the CPU: what it cannot show is the kernel reading the uploaded arrays (the
+    CUDA tests above do, on a GPU)."""
+    layouts = {n: LayerLayout(torch.randn(2, NB, T, H, D, dtype=torch.bfloat16), 1) for n in ("a", "b")}
+    part = object_bytes(layouts["a"], 3, RAW)
+    objs = [LayerObjects(n, [i * 4096 + c * 2048 for c in range(2)], [part] * 2, [[1, 4, 7], [9, 2, 3]],
+                         [0, 0], ["k0", "k1"]) for i, n in enumerate(layouts)]  # a planner each
+    path = DevicePath(torch.device("cpu"), layouts)
+    planned = path.batches(objs)
+    path.dev.type, path.dev._mod = "cuda", torch.cuda  # plan as on CUDA; tensors stay on the CPU
+    path._plan_dmas(planned)
+    path._plan_raw(planned)
+    assert [len(o.plan().payloads) for o in objs] == [1, 1]
+    kept = [next(iter(o.plan().payloads.values())) for o in objs]
+    assert [b.obj_base.tolist() for b in planned] == [t.tolist() for t in kept]
