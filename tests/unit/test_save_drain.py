@@ -64,3 +64,59 @@ def test_the_next_step_waits_for_the_copies_not_for_the_commit(pool, monkeypatch
     assert not step.is_alive()
     assert worker.counters.total["saved_objects"] == 2  # both steps' objects, published
     worker.shutdown()
+
+
+def test_layers_queued_while_the_save_thread_is_busy_share_one_task(pool, monkeypatch):
+    """Layers queued behind a slow reserve go to the save thread as one task; a layer queued
+    while that task runs gets a task of its own; every layer part is written either way
+    (an object missing one would be aborted, not committed)."""
+    layers = 4
+    vllm_config, kv_cache_config, caches = engine_parts(layers, 2, 64, BLOCK, 2 * CHUNK_BLOCKS + 1)
+    cfg = StoreConfig.parse({"copy_path": "batched", "local": {"socket": pool.socket, "start": "never"}})
+    worker = PoolWorker(vllm_config, kv_cache_config, cfg, "kv_both")
+    worker.register_kv_caches(caches)
+    saver = worker.saver
+    reserve_gate, layer_gate, in_layer = threading.Event(), threading.Event(), threading.Event()
+    real_reserve, real_layer = worker.backend.reserve_slots, saver._run_save_layer
+
+    def slow_reserve(keys, sizes):
+        reserve_gate.wait(60)
+        return real_reserve(keys, sizes)
+
+    def held_layer(job, name, after=None):
+        if name == worker.order[0] and not in_layer.is_set():
+            in_layer.set()
+            layer_gate.wait(60)
+        real_layer(job, name, after)
+
+    monkeypatch.setattr(worker.backend, "reserve_slots", slow_reserve)
+    monkeypatch.setattr(saver, "_run_save_layer", held_layer)
+
+    # Step 1: every layer queued while the reserve is held: one task takes them all.
+    meta = StepMetadata(saves=[ChunkSave("r", 0, f"{1:032x}", list(range(1, 1 + CHUNK_BLOCKS)))],
+                        commit_now=True)
+    for name in worker.order:
+        worker.save_kv_layer(name, meta)
+    assert len(saver._job.futures) == 2  # the reserve and one task for the layers
+    in_layer.set()  # step 1 does not hold its first layer
+    layer_gate.set()
+    reserve_gate.set()
+    worker.wait_for_save(meta)
+    assert worker.counters.total["saved_objects"] == 1
+
+    # Step 2: the first layer's task is running when the others are queued.
+    in_layer.clear()
+    layer_gate.clear()
+    meta = StepMetadata(saves=[ChunkSave("r", 0, f"{2:032x}",
+                                         list(range(1 + CHUNK_BLOCKS, 1 + 2 * CHUNK_BLOCKS)))],
+                        commit_now=True)
+    worker.save_kv_layer(worker.order[0], meta)
+    assert in_layer.wait(10)
+    for name in worker.order[1:]:
+        worker.save_kv_layer(name, meta)
+    assert len(saver._job.futures) == 3  # the reserve, the running task, one for the rest
+    layer_gate.set()
+    worker.wait_for_save(meta)
+    assert worker.counters.total["saved_objects"] == 2
+    assert worker.counters.total.get("save_incomplete", 0) == 0
+    worker.shutdown()
