@@ -26,13 +26,14 @@ class DeviceSaves:
                 self.dev.wait(after, self.save_stream)
                 if objs.name in self.int8:
                     return self._save_int8(arena, objs)
-                # The page shape's plan from the layer's first payload: a step's layers of
-                # chunk objects lie alike, so they share one (built once a step).
+                # The page shape's plan from the layer's lowest payload (a negative offset
+                # means "no destination" to the copy): a step's layers of chunk objects lie
+                # alike, so they share one (built once a step).
                 offs = np.asarray(objs.offsets, dtype=np.int64)
-                first = int(offs[0]) + HEADER_BYTES if len(offs) else 0
-                copy = objs.plan().layer(self.shapes[objs.name], offs + (HEADER_BYTES - first), load=False)
+                low = int(offs.min()) + HEADER_BYTES if len(offs) else 0
+                copy = objs.plan().layer(self.shapes[objs.name], offs + (HEADER_BYTES - low), load=False)
                 src = self.words[objs.name][plan.origin // WORD:]
-                sums = run_copy(copy, src, arena.view(torch.int64)[first // WORD:], self.dev.device)
+                sums = run_copy(copy, src, arena.view(torch.int64)[low // WORD:], self.dev.device)
                 return QueuedSave(objs, None, sums)
         # The parts in staging as a load stages them (headers too: they ride along in the 2D
         # copies and are rewritten at the commit); the step's layers share a plan.

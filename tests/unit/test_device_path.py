@@ -52,23 +52,25 @@ def _load_all(path, arena, objs, layouts, ready=lambda name, event: None):
     return [(q.layers[0].name, bad) for q, (bad,) in zip(queued, path.check_loads(queued, True))]
 
 
-def _objects(layouts, blocks_per_obj=3):
-    """Two objects per layer, back to back in the arena (512-byte aligned like the pool)."""
+def _objects(layouts, blocks_per_obj=3, reverse=False):
+    """Two objects per layer, back to back in the arena (512-byte aligned like the pool);
+    ``reverse``: the second object's slot comes first (the pool hands out slots in any order)."""
     size = object_bytes(layouts["a"], blocks_per_obj, RAW)
     slot = (size + 511) // 512 * 512
     out, off = {}, 0
     for name in layouts:
-        offs = [off, off + slot]
+        offs = [off + slot, off] if reverse else [off, off + slot]
         off += 2 * slot
         out[name] = LayerObjects(name, offs, [size, size], [[1, 4, 7], [9, 2, 0]], [0, 0],
                                  [f"k/{name}/0", f"k/{name}/1"])
     return out, off
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["slots-in-order", "slots-reversed"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_save_then_load_through_the_pinned_arena(device):
+def test_save_then_load_through_the_pinned_arena(device, reverse):
     layouts = _layers(device)
-    objs, total = _objects(layouts)
+    objs, total = _objects(layouts, reverse=reverse)
     path = DevicePath(torch.device(device), layouts)
     mapping = mmap.mmap(-1, total)
     arena = path.arena(1, mapping)
