@@ -20,8 +20,8 @@ never waits on the host:
   in one numpy pass; a mismatch becomes a failed load.
 - save (device_saves.py): a layer's gather kernel (gather stream) starts from an event
   the compute stream records after the layer wrote its KV, its DMAs follow on the save
-  stream, so a gather runs under the DMA of the layer before. Headers (with the sums) are written once the
-  copies are done, before the objects are committed.
+  stream, so a gather runs under the DMA of the layer before. Headers (with the sums)
+  are written once the copies are done, before the objects are committed.
 
 int8 layers take the same DMAs (half the bytes), a batch each, dequantized by one kernel
 per layer and quantized by whole-class tensor ops (int8_path.py). vLLM-free, so
