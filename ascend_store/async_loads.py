@@ -58,7 +58,7 @@ class AsyncLoads:
         self._errors: set[int] = set()
 
     def start(self, loads: list[ChunkLoad]) -> None:
-        job = self.loader.start(loads)
+        job = self.loader.start(loads, in_step=False)
         self.loader.job = None  # jobs are tracked here, several may run
         self._pending.append(_Pending(job, {ld.req_id for ld in loads}, time.monotonic()))
 

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ascend_store.config import check_transfer_config
+from ascend_store.config import StoreConfig, check_transfer_config
 from ascend_store.layers import group_kinds
 from ascend_store.stats import AscendStorePromMetrics, AscendStoreStats
 
@@ -39,6 +39,14 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
             from ascend_store.pool_worker import PoolWorker
 
             self.worker = PoolWorker(vllm_config, kv_cache_config, cfg, ktc.kv_role)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layerwise (the default) needs PIECEWISE graphs: a full CUDA/ACL graph's replay runs
+        no Python, so ``wait_for_layer_load`` and ``save_kv_layer`` would not run and the
+        forward would read layers before their load lands. vLLM asks this while it resolves
+        its config and then captures only the pieces between attention calls."""
+        return StoreConfig.parse(extra_config).use_layerwise
 
     # A dropped save is a future miss, not lost data: nothing must wait for delivery.
     @property

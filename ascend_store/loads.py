@@ -60,8 +60,10 @@ class Admitted:
 
 
 class LoadJob:
-    def __init__(self, loads: list[ChunkLoad], layers: list[str]):
+    def __init__(self, loads: list[ChunkLoad], layers: list[str], in_step: bool = True):
         self.loads = loads
+        self.in_step = in_step  # the step's forward reads it (not an async load)
+        self.waited = False  # the forward waited for one of its layers
         self.unplaced = {j for j, ld in enumerate(loads) if 0 in ld.block_ids}  # has vLLM's null block
         self.events = {name: threading.Event() for name in layers}  # host path: layer landed
         self.device_events: dict[str, object] = {}  # layer -> its batch's event (accelerators)
@@ -88,10 +90,11 @@ class Loader:
         self._failed_chunks: set[str] = set()
         self._scratch = host_loads.Scratch(share)  # the load thread's buffer and pace (async_loads.py)
 
-    def start(self, loads: list[ChunkLoad], new_tokens: int = 0) -> LoadJob:
-        """``new_tokens``: tokens the step computes (it sets how far copies are queued ahead)."""
+    def start(self, loads: list[ChunkLoad], new_tokens: int = 0, in_step: bool = True) -> LoadJob:
+        """``new_tokens``: tokens the step computes (it sets how far copies are queued ahead);
+        ``in_step``: the step's forward reads the loads (false for async loads)."""
         # On accelerators the copies are queued on this thread: no layer waits for another.
-        job = self.job = LoadJob(loads, self.ctx.order if self.ctx.device_path is None else [])
+        job = self.job = LoadJob(loads, self.ctx.order if self.ctx.device_path is None else [], in_step)
         job.window = queue_window(new_tokens, len(self.ctx.order), self.ctx.cfg.load_window)
         if self.ctx.device_path is not None:
             self._queue_device_load(job)
@@ -105,6 +108,7 @@ class Loader:
         job = self.job
         if job is None:
             return
+        job.waited = True
         ev = job.events.get(layer_name)
         if ev is not None and not ev.wait(self.ctx.cfg.load_timeout_s):
             self.abandon(job, f"layer {layer_name} not loaded within {self.ctx.cfg.load_timeout_s}s")
@@ -119,10 +123,15 @@ class Loader:
         """Every layer of ``job`` landed, or is awaited by the compute stream."""
         if job.future is not None and wait([job.future], timeout=self.ctx.cfg.load_timeout_s).not_done:
             self.abandon(job, "load job did not finish")
+        if job.in_step and self.ctx.cfg.use_layerwise and not job.cancelled:
+            # A layer the forward never waited for read its blocks before they landed: every
+            # layer when a full CUDA/ACL graph ran the forward (its replay runs no hook).
+            skipped = (f"layer {job.todo[job.next][0].layers[0].name}" if job.next < len(job.todo)
+                       else None if job.waited else "any layer")
+            if skipped:
+                self.abandon(job, f"the forward never waited for {skipped}; layerwise loads need "
+                                  "PIECEWISE graphs (or use_layerwise: false)")
         if self.ctx.device_path is not None:
-            if self.ctx.cfg.use_layerwise and job.next < len(job.todo):
-                # A layer the forward never waited for read its blocks before they landed.
-                self.abandon(job, f"layer {job.todo[job.next][0].layers[0].name} was never waited for")
             self._queue_upto(job, len(self.ctx.order))
             for event in {id(e): e for e in job.device_events.values()}.values():  # one per batch
                 self.ctx.device_path.dev.wait(event, self._compute(job))

