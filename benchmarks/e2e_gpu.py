@@ -109,10 +109,10 @@ def child(spec: dict) -> None:
                   enable_prefix_caching=False, max_num_batched_tokens=8192, disable_log_stats=False)
     if spec.get("gpu", True):
         kwargs.update(gpu_memory_utilization=0.8, attention_backend="FLASH_ATTN")
-    if spec.get("graphs"):  # the timed hits compute one token: small batches are all it needs
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
     else:  # the CPU smoke run
         kwargs.update(distributed_executor_backend="uni", block_size=128)
+    if spec.get("graphs"):  # the timed hits compute one token: small batches are all it needs
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
     kwargs.update(conf.get("engine", {}))
     if conf.get("kv"):
         kv = dict(conf["kv"])
