@@ -32,6 +32,16 @@ def test_the_cpu_gdn_op_is_a_registered_op_with_a_layer_name():
     assert hasattr(torch.ops.vllm, op)
 
 
+def test_the_accelerator_state_ops_run_between_graph_pieces():
+    """Under CUDA/ACL graphs (PIECEWISE, which a layerwise connector asks for) only vLLM's
+    splitting ops run eagerly; a wrapped op captured inside a graph piece would replay
+    without our wrapper, so the state would be read before its load. CPU has no graphs."""
+    from vllm.config.compilation import CompilationConfig
+
+    ops = [op for _, _, op in seams.STATE_OPS if not op.startswith("cpu_")]
+    assert ops and not [op for op in ops if f"vllm::{op}" not in CompilationConfig._attention_ops]
+
+
 def test_state_ops_are_wrapped_and_pass_through_without_our_connector():
     """Installing re-registers the op with our wrapper; with no ascend-store connector
     active the wrapper calls the original (nothing else in the process changes)."""
