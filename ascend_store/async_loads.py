@@ -53,12 +53,13 @@ class AsyncLoads:
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
         # Its own thread (a long hit never queues behind a step's load), off the forward's cores.
-        self.loader = Loader(ctx, initializer=_off_forward_cores, share=ctx.cfg.async_load_share)
+        self.loader = Loader(ctx, initializer=_off_forward_cores, share=ctx.cfg.async_load_share,
+                             in_step=False)
         self._pending: list[_Pending] = []
         self._errors: set[int] = set()
 
     def start(self, loads: list[ChunkLoad]) -> None:
-        job = self.loader.start(loads, in_step=False)
+        job = self.loader.start(loads)
         self.loader.job = None  # jobs are tracked here, several may run
         self._pending.append(_Pending(job, {ld.req_id for ld in loads}, time.monotonic()))
 

@@ -60,9 +60,8 @@ class Admitted:
 
 
 class LoadJob:
-    def __init__(self, loads: list[ChunkLoad], layers: list[str], in_step: bool = True):
+    def __init__(self, loads: list[ChunkLoad], layers: list[str]):
         self.loads = loads
-        self.in_step = in_step  # the step's forward reads it (not an async load)
         self.waited = False  # the forward waited for one of its layers
         self.unplaced = {j for j, ld in enumerate(loads) if 0 in ld.block_ids}  # has vLLM's null block
         self.events = {name: threading.Event() for name in layers}  # host path: layer landed
@@ -83,18 +82,18 @@ class LoadJob:
 
 
 class Loader:
-    def __init__(self, ctx: WorkerContext, initializer=None, share: float = 1.0):
+    def __init__(self, ctx: WorkerContext, initializer=None, share: float = 1.0, in_step: bool = True):
         self.ctx = ctx
+        self.in_step = in_step  # the step's forward reads its loads (false: async loads)
         self.job: LoadJob | None = None  # this step's
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-load", initializer=initializer)
         self._failed_chunks: set[str] = set()
         self._scratch = host_loads.Scratch(share)  # the load thread's buffer and pace (async_loads.py)
 
-    def start(self, loads: list[ChunkLoad], new_tokens: int = 0, in_step: bool = True) -> LoadJob:
-        """``new_tokens``: tokens the step computes (it sets how far copies are queued ahead);
-        ``in_step``: the step's forward reads the loads (false for async loads)."""
+    def start(self, loads: list[ChunkLoad], new_tokens: int = 0) -> LoadJob:
+        """``new_tokens``: tokens the step computes (it sets how far copies are queued ahead)."""
         # On accelerators the copies are queued on this thread: no layer waits for another.
-        job = self.job = LoadJob(loads, self.ctx.order if self.ctx.device_path is None else [], in_step)
+        job = self.job = LoadJob(loads, self.ctx.order if self.ctx.device_path is None else [])
         job.window = queue_window(new_tokens, len(self.ctx.order), self.ctx.cfg.load_window)
         if self.ctx.device_path is not None:
             self._queue_device_load(job)
@@ -123,7 +122,7 @@ class Loader:
         """Every layer of ``job`` landed, or is awaited by the compute stream."""
         if job.future is not None and wait([job.future], timeout=self.ctx.cfg.load_timeout_s).not_done:
             self.abandon(job, "load job did not finish")
-        if job.in_step and self.ctx.cfg.use_layerwise and not job.cancelled:
+        if self.in_step and self.ctx.cfg.use_layerwise and not job.cancelled:
             # A layer the forward never waited for read its blocks before they landed: every
             # layer when a full CUDA/ACL graph ran the forward (its replay runs no hook).
             skipped = (f"layer {job.todo[job.next][0].layers[0].name}" if job.next < len(job.todo)
