@@ -125,7 +125,6 @@ def child(spec: dict) -> None:
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     out = {"cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
-    scrub = spec.get("scrub") and conf.get("reset")
     for n in spec["tokens"]:
         rng = random.Random(n)
         prompt = TokensPrompt(prompt_token_ids=[rng.randrange(3, 32000) for _ in range(n)])
@@ -134,10 +133,7 @@ def child(spec: dict) -> None:
         times, tokens, cached, windows = [], [], [], []
         prof = cProfile.Profile() if spec.get("profile") else None
         for rep in range(spec["reps"] + 1):  # the first is a warm-up
-            if conf.get("reset"):
-                llm.reset_prefix_cache()
-            if scrub:
-                scrub_kv_cache(llm)
+            reset(llm, spec, conf)
             if prof and rep:
                 prof.enable()
             t0 = time.perf_counter()
@@ -174,10 +170,17 @@ def child(spec: dict) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def scrub_kv_cache(llm) -> None:
-    """Fill every KV cache tensor with random values, so a hit's first token can come only
-    from what its load wrote (a block left from an earlier repetition of the same prompt
-    would hide a forward that read before its load landed)."""
+def reset(llm, spec: dict, conf: dict) -> None:
+    """Before a timed hit of a configuration that resets: drop vLLM's prefix cache and, with
+    ``--scrub``, fill every KV cache tensor with random values, so the hit's first token can
+    come only from what its load wrote (a block left from an earlier repetition of the same
+    prompt would hide a forward that read before its load landed)."""
+    if not conf.get("reset"):
+        return
+    llm.reset_prefix_cache()
+    if not spec.get("scrub"):
+        return
+
     def scrub(worker) -> int:
         import torch
 
@@ -219,10 +222,7 @@ def concurrent(llm, spec: dict, conf: dict, params) -> dict:
     tail = lambda: [rng.randrange(3, 32000) for _ in range(n - len(shared))]  # noqa: E731
     llm.generate([TokensPrompt(prompt_token_ids=shared + tail())], params, use_tqdm=False)
     time.sleep(1.0)
-    if conf.get("reset"):
-        llm.reset_prefix_cache()
-    if spec.get("scrub") and conf.get("reset"):
-        scrub_kv_cache(llm)
+    reset(llm, spec, conf)
     prompts = [TokensPrompt(prompt_token_ids=shared + tail()) for _ in range(k)]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
