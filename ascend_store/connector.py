@@ -1,4 +1,7 @@
-"""``AscendStoreConnector``: the class vLLM loads. It only routes to one half per role.
+"""``AscendStoreConnector``: the class vLLM loads. It routes to one half per role, and
+passes each step's metadata from the scheduler half to the worker half where both live in
+one process (vLLM's single-process executor), so the step's loads can start before vLLM's
+runner prepares its inputs.
 
     --kv-transfer-config '{"kv_connector": "AscendStoreConnector",
                            "kv_connector_module_path": "ascend_store.connector",
@@ -8,6 +11,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -19,6 +23,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ascend_store.config import StoreConfig, check_transfer_config
 from ascend_store.layers import group_kinds
 from ascend_store.stats import AscendStorePromMetrics, AscendStoreStats
+
+# engine_id -> the worker half in this process. vLLM's single-process executor (one
+# GPU/NPU, the default there) runs the worker in the engine core's thread, right after the
+# scheduler: the scheduler half hands it each step's metadata as soon as it is built.
+_LOCAL_WORKERS: dict[str, weakref.ref] = {}
+_NOBODY = weakref.ref(set())  # a dead reference
 
 
 class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -39,6 +49,10 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
             from ascend_store.pool_worker import PoolWorker
 
             self.worker = PoolWorker(vllm_config, kv_cache_config, cfg, ktc.kv_role)
+            other = _LOCAL_WORKERS.get(ktc.engine_id, _NOBODY)()
+            # Two live engines of one process sharing an engine_id: neither gets the hand-over.
+            _LOCAL_WORKERS[ktc.engine_id] = _NOBODY if other is not None else weakref.ref(self.worker)
+        self.engine_id = ktc.engine_id
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -61,7 +75,11 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
-        return self.scheduler.build_connector_meta(scheduler_output)
+        meta = self.scheduler.build_connector_meta(scheduler_output)
+        worker = _LOCAL_WORKERS.get(self.engine_id, _NOBODY)()
+        if worker is not None:  # the runner's input preparation comes before any worker hook
+            worker.start_at_schedule(meta)
+        return meta
 
     def update_connector_output(self, connector_output) -> None:
         self.scheduler.update_connector_output(connector_output)
@@ -116,6 +134,8 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return AscendStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self.worker is not None and _LOCAL_WORKERS.get(self.engine_id, _NOBODY)() is self.worker:
+            del _LOCAL_WORKERS[self.engine_id]
         half = self.scheduler or self.worker
         if half is not None:
             half.shutdown()

@@ -263,6 +263,16 @@ class PoolWorker:
             # at 32K tokens): the step's loads start now, so the link runs meanwhile.
             self._begin(meta)
 
+    def start_at_schedule(self, meta: StepMetadata) -> None:
+        """The scheduler half of this process, as it builds a step's metadata (connector.py):
+        where loads start early they start here, before vLLM's runner prepares its inputs
+        (8 ms at 32K tokens; the V2 runner calls every worker hook after that). The last
+        step's saves drain first, as at any step's start."""
+        if (meta.loads or meta.async_loads) and self.starts_early():
+            self.saver.drain()
+            self._begin(meta)
+            self.counters["loads_started_at_schedule"] += 1
+
     def start_load_kv(self, meta: StepMetadata) -> None:
         self.saver.drain()
         job = self._begin(meta)

@@ -55,22 +55,27 @@ def test_tail_of_a_1502_token_prompt_at_block_16(tmp_path, pool):
     assert_same_outputs(b["rounds"][0], a["rounds"][0], tol=0.1)
 
 
-@pytest.mark.parametrize("copy_path", ["per_block", "batched"])
-def test_device_hit_ending_inside_an_object(tmp_path, model, pool, copy_path):
+@pytest.mark.parametrize("copy_path, early", [("per_block", False), ("batched", False), ("batched", True)],
+                         ids=["per_block", "batched", "batched-from-schedule"])
+def test_device_hit_ending_inside_an_object(tmp_path, model, pool, copy_path, early):
     """Round 1 computes a 3-block prefix; round 2's prompt extends it: vLLM's device
     cache serves 3 blocks, the pool the rest of the first chunk object from page 3 on and
-    the chunks after it (saved by another engine)."""
+    the chunks after it (saved by another engine). ``early``: the loads start as a copy
+    engine's do, when the scheduler hands the step over (connector.py), before vLLM's
+    runner prepares its inputs and calls the worker's hooks."""
     rng = random.Random(7)
     long = [rng.randrange(2, 500) for _ in range(700)]
     rounds = [[long[:100]], [long]]
     baseline = run_engine(tmp_path, model, rounds, **BLOCK32)["rounds"]
     run_engine(tmp_path, model, [[long]], _kv(pool, copy_path=copy_path), **BLOCK32)  # saves 2 chunks + tail
-    r = run_engine(tmp_path, model, rounds, _kv(pool, copy_path=copy_path), **BLOCK32)
+    r = run_engine(tmp_path, model, rounds, _kv(pool, copy_path=copy_path), start_early=early, **BLOCK32)
     assert r["copy_path"] == copy_path
     # 21 whole blocks: 3 from the device cache, 18 from the pool (2 chunks, a 5-block tail)
     assert r["rounds"][1][0]["num_cached_tokens"] == 672
     assert r["per_round"][1]["scheduler"]["hit_tokens"] == 672 - 96
     assert r["worker"]["failed_blocks"] == 0
+    assert len(r["load_step_layers"]) == 1  # one step loads
+    assert r["worker"].get("loads_started_at_schedule", 0) == early
     for got, want in zip(r["rounds"], baseline):
         assert_same_outputs(got, want)
 

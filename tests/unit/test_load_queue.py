@@ -106,3 +106,72 @@ def test_a_layerwise_load_the_forward_never_waited_for_is_recomputed(pool, monke
     worker.wait_for_save(load)
     assert worker.get_block_ids_with_load_errors() == set()
     worker.shutdown()
+
+
+def test_loads_start_when_the_scheduler_hands_the_step_over(pool, monkeypatch):
+    # Where a copy engine runs, the scheduler of the same process hands each step over as
+    # it builds it (connector.py): the last step's saves drain and the loads start then,
+    # before vLLM's runner prepares its inputs; its hooks later start nothing again.
+    monkeypatch.setattr(PoolWorker, "starts_early", lambda self: True)
+    worker, caches, src, dst, chunks = _worker_with_two_saved_chunks(pool)
+    save = StepMetadata(saves=[ChunkSave("s", 0, f"{9:032x}", src[:CHUNK_BLOCKS])])
+    for name in worker.order:
+        worker.save_kv_layer(name, save)
+    worker.wait_for_save(save)  # its wait for the copies is deferred to the next step
+    drains, steps = worker.counters.total["deferred_drains"], worker.counters.total["steps"]
+    for cache in caches.values():
+        cache[:, dst] = 0  # what the blocks hold after the step comes from its load
+    load = StepMetadata(loads=[ChunkLoad("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(dst))],
+                        new_tokens=1)
+    worker.start_at_schedule(load)
+    job = worker.loader.job
+    assert job is not None and worker.counters.total["deferred_drains"] == drains + 1
+    worker.handle_preemptions(load)
+    worker.start_load_kv(load)
+    assert worker.loader.job is job and worker.counters.total["steps"] == steps + 1
+    for name in worker.order:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save(load)
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert worker.counters.total["loads_started_at_schedule"] == 1
+    for name, cache in caches.items():
+        assert torch.equal(cache[:, dst], cache[:, src]), name
+    worker.shutdown()
+
+
+def test_the_hand_over_goes_to_the_one_worker_of_its_engine(pool):
+    # connector.py pairs the halves of one engine by engine_id. Two live engines of one
+    # process that share it (one KVTransferConfig object passed to both) get no hand-over:
+    # one engine's scheduler must never start loads in the other's KV cache.
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from ascend_store import connector
+
+    vllm_config, kv_cache_config, _ = engine_parts(LAYERS, 2, 64, BLOCK, 4 * CHUNK_BLOCKS + 1)
+    vllm_config.kv_transfer_config = SimpleNamespace(
+        kv_role="kv_both", engine_id="engine-a",
+        kv_connector_extra_config={"local": {"socket": pool.socket, "start": "never"}})
+    worker_role = lambda: connector.AscendStoreConnector(vllm_config, KVConnectorRole.WORKER,  # noqa: E731
+                                                         kv_cache_config)
+    handed = []
+
+    def scheduler_role():
+        c = connector.AscendStoreConnector.__new__(connector.AscendStoreConnector)
+        c.engine_id, c.scheduler = "engine-a", SimpleNamespace(build_connector_meta=lambda out: out)
+        return c
+
+    first = worker_role()
+    first.worker.start_at_schedule = handed.append
+    scheduler_role().build_connector_meta("step 1")
+    assert handed == ["step 1"]
+    first.shutdown()
+    scheduler_role().build_connector_meta("step 2")  # its worker is gone: nobody gets it
+    assert handed == ["step 1"]
+    second, third = worker_role(), worker_role()
+    second.worker.start_at_schedule = third.worker.start_at_schedule = handed.append
+    scheduler_role().build_connector_meta("step 3")
+    assert handed == ["step 1"]
+    second.shutdown()
+    third.shutdown()
