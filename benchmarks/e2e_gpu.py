@@ -4,7 +4,9 @@ For a random-weight Llama of a given geometry (vLLM's dummy weights, the same in
 engine), prompts of 4K/16K/32K random tokens, ``max_tokens=1``, each configuration in a
 fresh engine process: recompute (no connector, prefix caching off), device-hit (vLLM's
 device prefix cache kept: the floor of any hit), native (vLLM's CPU offloading), lmcache
-(LMCacheConnectorV1, local CPU backend) and ascend-* (this connector on the embedded pool,
+(LMCacheConnectorV1, local CPU backend; wrong KV on vLLM >= 0.26, see lmcache-mp),
+lmcache-mp (LMCache's multi-process mode: ``lmcache server`` beside the engine, its L1 in
+host memory) and ascend-* (this connector on the embedded pool,
 layerwise on/off, codec raw/int8). All but recompute run with vLLM's prefix caching on, as
 users run it, reset before each repetition where the hit must come from host memory.
 Each prompt is sent once to fill the cache, once more untimed (warm-up), then timed over
@@ -30,7 +32,7 @@ per event), the engine core in its own process or, with
 a cProfile summary of the timed repetitions per prompt length to DIR. In-process TTFTs
 lack the IPC and, with ``--profile``, carry the profiler's overhead: compare
 configurations, not these numbers with the table's. ``--graphs`` runs vLLM with its CUDA
-graphs (its default) instead of eager; ``--scrub`` fills the KV cache with random values
+graphs (its default) instead of eager; ``--scrub`` overwrites the KV cache with a constant
 after every prefix cache reset, so a hit's first token can come only from its load (a
 reset frees blocks without clearing them: the prompt's own KV would still be there).
 """
@@ -69,6 +71,15 @@ CONFIGS = {
                 "kv": {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
                 "env": {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_CHUNK_SIZE": "256",
                         "LMCACHE_MAX_LOCAL_CPU_SIZE": "20", "PYTHONHASHSEED": "0"}},
+    # LMCache's multi-process mode: its in-process connector (lmcache) corrupts the KV of
+    # vLLM >= 0.26's packed K/V cache layout (LMCache issue #4463); this mode is unaffected.
+    # The cache server runs beside the engine, on loopback (start_server).
+    "lmcache-mp": {"engine": {"enable_prefix_caching": True}, "reset": True,
+                   "kv": {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                                        "lmcache.mp.port": 5555}},
+                   "server": ["server", "--host", "127.0.0.1", "--port", "5555", "--chunk-size", "256",
+                              "--l1-size-gb", "20", "--http-host", "127.0.0.1", "--disable-observability"]},
     "ascend-layerwise-raw": {"engine": {"enable_prefix_caching": True}, "reset": True,
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True}}},
     "ascend-layerwise-raw-w4": {"engine": {"enable_prefix_caching": True}, "reset": True,
@@ -122,6 +133,8 @@ def child(spec: dict) -> None:
                               "capacity": "24GiB" if spec.get("gpu", True) else "2GiB"}
             kv["kv_connector_extra_config"] = extra
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
+    kv_connector = conf.get("kv", {}).get("kv_connector")
+    start_server(conf.get("server"), os.path.join(spec["tmp"], f"{spec['name']}-server.log"))
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     out = {"cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
@@ -167,35 +180,83 @@ def child(spec: dict) -> None:
             out["concurrent"] = concurrent(llm, spec, conf, params)
         except Exception as exc:  # keep the single-request results if this vLLM differs
             out["concurrent_error"] = repr(exc)
+    if spec.get("scrub") and kv_connector == "AscendStoreConnector":  # (--scrub allows the callable)
+        out["worker_counters"] = llm.collective_rpc(worker_counters)[0]
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def start_server(argv: list[str] | None, log_path: str) -> None:
+    """A configuration's cache server (``lmcache server ...``), once it accepts connections;
+    it gets SIGTERM when this engine process ends (exit, or a timeout's kill)."""
+    if not argv:
+        return
+    import atexit
+    import ctypes
+    import signal
+    import socket
+
+    libc = ctypes.CDLL(None)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "lmcache.cli.main", *argv], stdout=log,
+                                stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: libc.prctl(1, signal.SIGTERM))  # PR_SET_PDEATHSIG
+    atexit.register(proc.terminate)
+    port, deadline = int(argv[argv.index("--port") + 1]), time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"cache server exited ({proc.returncode}): {open(log_path).read()[-3000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"cache server not listening after 300 s: {open(log_path).read()[-3000:]}")
+
+
+def scrub_kv_caches(worker) -> int:
+    """Run in each worker (``collective_rpc``; the CPU engine tests call it too): overwrite
+    every floating-point KV cache and state tensor with a constant, and return how many. A
+    constant, not random values: ``normal_`` over the CPU tests' 1 GiB cache takes ~1.7 s
+    on 2 cores, ``fill_`` 0.07 s; either makes a load that never landed give other tokens."""
+    import torch
+
+    def tensors(x):
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                yield from tensors(y)
+
+    n = 0
+    for layer in worker.vllm_config.compilation_config.static_forward_context.values():
+        for t in tensors(getattr(layer, "kv_cache", None)):
+            if t.is_floating_point() and t.element_size() > 1:
+                t.fill_(1.0)
+                n += 1
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return n
+
+
+def worker_counters(worker) -> dict:
+    """Run in the worker (``collective_rpc``): the connector's counters since it started."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return dict(get_kv_transfer_group().worker.counters.total)
 
 
 def reset(llm, spec: dict, conf: dict) -> None:
     """Before a timed hit of a configuration that resets: drop vLLM's prefix cache and, with
-    ``--scrub``, fill every KV cache tensor with random values, so the hit's first token can
-    come only from what its load wrote (a block left from an earlier repetition of the same
-    prompt would hide a forward that read before its load landed)."""
+    ``--scrub``, overwrite every KV cache tensor, so the hit's first token can come only
+    from what its load wrote (a block left from an earlier repetition of the same prompt
+    would hide a forward that read before its load landed)."""
     if not conf.get("reset"):
         return
     llm.reset_prefix_cache()
     if not spec.get("scrub"):
         return
-
-    def scrub(worker) -> int:
-        import torch
-
-        n = 0
-        for layer in worker.vllm_config.compilation_config.static_forward_context.values():
-            kv = getattr(layer, "kv_cache", None)
-            for t in kv if isinstance(kv, (list, tuple)) else [kv]:
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    t.normal_()
-                    n += 1
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return n
-
-    if not all(llm.collective_rpc(scrub)):
+    if not all(llm.collective_rpc(scrub_kv_caches)):
         raise RuntimeError("--scrub found no KV cache tensor to fill")
 
 

@@ -12,6 +12,8 @@ Job: {"model", "kv_config" | null, "rounds": [[token-id prompts] or "continue" (
       "loras": {name: adapter dir}, "prompt_opts": per round, per prompt {"cache_salt": str,
                 "lora": name} or null,
       "kv_events": KVEventsConfig fields (vLLM's KV event publisher), or absent,
+      "start_early": true to start loads where a copy engine would (PoolWorker.starts_early),
+      at the scheduler's hand-over and in handle_preemptions, though this is a CPU,
       "trace_memory": true to report Python allocations by ascend_store code that outlive
                       rounds 3.. (result "traced_growth", bytes)}
 With ``engine_args`` {"distributed_executor_backend": "mp", "tensor_parallel_size" or
@@ -33,6 +35,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+from e2e_gpu import scrub_kv_caches  # noqa: E402  (the GPU benchmark's scrub, between rounds)
 
 
 def _connectors(llm):
@@ -51,29 +55,6 @@ def _rank_counters(_worker) -> dict:
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     return dict(get_kv_transfer_group().worker.counters.total) if has_kv_transfer_group() else {}
-
-
-def _scrub_kv_caches(worker) -> int:
-    """Run in each worker (``collective_rpc``): overwrite every floating-point KV cache and
-    state tensor. Freed blocks keep the KV of the round before, so a later round's load
-    that never landed would still read the right tokens. A constant, not random values:
-    ``normal_`` over a 1 GiB cache takes ~1.7 s a round on the 2-core CI, ``fill_`` 0.07."""
-    import torch
-
-    def tensors(x):
-        if isinstance(x, torch.Tensor):
-            yield x
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                yield from tensors(y)
-
-    n = 0
-    for layer in worker.vllm_config.compilation_config.static_forward_context.values():
-        for t in tensors(getattr(layer, "kv_cache", None)):
-            if t.is_floating_point() and t.element_size() > 1:
-                t.fill_(1.0)
-                n += 1
-    return n
 
 
 def _bind_threads(engine_args: dict) -> None:
@@ -137,6 +118,10 @@ def main(job_path: str) -> None:
         from vllm.config import KVEventsConfig
 
         kwargs["kv_events_config"] = KVEventsConfig(**job["kv_events"])
+    if job.get("start_early"):
+        from ascend_store.pool_worker import PoolWorker
+
+        PoolWorker.starts_early = lambda self: True
     llm = LLM(**kwargs)
     if kwargs.get("pipeline_parallel_size", 1) > 1:
         llm.collective_rpc(_stage_buffers)
@@ -158,7 +143,7 @@ def main(job_path: str) -> None:
             llm.reset_prefix_cache()
         if i and (job.get("reset_between_rounds") or not kwargs["enable_prefix_caching"]):
             # No block holds a token the engine may reuse: scrub them all.
-            assert all(llm.collective_rpc(_scrub_kv_caches)), "no KV cache tensor to scrub"
+            assert all(llm.collective_rpc(scrub_kv_caches)), "no KV cache tensor to scrub"
         if i and i - 1 < len(between) and between[i - 1]:
             subprocess.run(between[i - 1], shell=True, check=True)
         extra = (job.get("round_extra_args") or [None] * len(job["rounds"]))[i]
