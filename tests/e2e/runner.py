@@ -12,8 +12,8 @@ Job: {"model", "kv_config" | null, "rounds": [[token-id prompts] or "continue" (
       "loras": {name: adapter dir}, "prompt_opts": per round, per prompt {"cache_salt": str,
                 "lora": name} or null,
       "kv_events": KVEventsConfig fields (vLLM's KV event publisher), or absent,
-      "start_early": true to start loads where a copy engine would (PoolWorker.starts_early),
-      at the scheduler's hand-over and in handle_preemptions, though this is a CPU,
+      "start_early": true: PoolWorker.starts_early answers true on this CPU too, so loads
+                     start as a copy engine's do (at the scheduler's hand-over),
       "trace_memory": true to report Python allocations by ascend_store code that outlive
                       rounds 3.. (result "traced_growth", bytes)}
 With ``engine_args`` {"distributed_executor_backend": "mp", "tensor_parallel_size" or
