@@ -240,10 +240,11 @@ def scrub_kv_caches(worker) -> int:
 
 
 def worker_counters(worker) -> dict:
-    """Run in the worker (``collective_rpc``): the connector's counters since it started."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    """Run in each worker (``collective_rpc``; the CPU engine tests call it too): its
+    connector's counters since it started ({} without a connector)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    return dict(get_kv_transfer_group().worker.counters.total)
+    return dict(get_kv_transfer_group().worker.counters.total) if has_kv_transfer_group() else {}
 
 
 def reset(llm, spec: dict, conf: dict) -> None:
@@ -436,7 +437,7 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true",
                     help="vLLM's CUDA graphs (its default; a connector may ask for PIECEWISE), not eager")
     ap.add_argument("--scrub", action="store_true",
-                    help="fill the KV cache with random values after each prefix cache reset")
+                    help="overwrite the KV cache (a constant) after each prefix cache reset")
     ap.add_argument("--package", help="import ascend_store from this checkout (an A/B of the connector)")
     ap.add_argument("--child")
     args = ap.parse_args()

@@ -36,7 +36,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
-from e2e_gpu import scrub_kv_caches  # noqa: E402  (the GPU benchmark's scrub, between rounds)
+from e2e_gpu import scrub_kv_caches, worker_counters  # noqa: E402  (shared with the GPU benchmark)
 
 
 def _connectors(llm):
@@ -48,13 +48,6 @@ def _connectors(llm):
     except AttributeError:
         scheduler = None
     return scheduler, worker
-
-
-def _rank_counters(_worker) -> dict:
-    """Run in each worker process (``collective_rpc``): its connector's counters."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    return dict(get_kv_transfer_group().worker.counters.total) if has_kv_transfer_group() else {}
 
 
 def _bind_threads(engine_args: dict) -> None:
@@ -172,7 +165,7 @@ def main(job_path: str) -> None:
     if trace:
         result["traced_growth"] = sum(d.size_diff for d in _ascend_snapshot().compare_to(trace, "filename"))
     if kwargs["distributed_executor_backend"] == "mp" and job.get("kv_config"):
-        result["rank_workers"] = llm.collective_rpc(_rank_counters)  # per rank, in rank order
+        result["rank_workers"] = llm.collective_rpc(worker_counters)  # per rank, in rank order
     if worker is not None:
         result["worker"] = dict(worker.counters.total)
         result["step_hooks"] = list(worker.step_hooks)
