@@ -5,7 +5,7 @@ engine), prompts of 4K/16K/32K random tokens, ``max_tokens=1``, each configurati
 fresh engine process: recompute (no connector, prefix caching off), device-hit (vLLM's
 device prefix cache kept: the floor of any hit), native (vLLM's CPU offloading), lmcache
 (LMCacheConnectorV1, local CPU backend; wrong KV on vLLM >= 0.26, see lmcache-mp),
-lmcache-mp (LMCache's multi-process mode: ``lmcache server`` beside the engine, its L1 in
+lmcache-mp (LMCache's multi-process mode: its ZMQ cache server beside the engine, its L1 in
 host memory) and ascend-* (this connector on the embedded pool,
 layerwise on/off, codec raw/int8). All but recompute run with vLLM's prefix caching on, as
 users run it, reset before each repetition where the hit must come from host memory.
@@ -78,8 +78,8 @@ CONFIGS = {
                    "kv": {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                           "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
                                                         "lmcache.mp.port": 5555}},
-                   "server": ["server", "--host", "127.0.0.1", "--port", "5555", "--chunk-size", "256",
-                              "--l1-size-gb", "20", "--http-host", "127.0.0.1", "--disable-observability"]},
+                   "server": ["lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port", "5555",
+                              "--chunk-size", "256", "--l1-size-gb", "20", "--disable-observability"]},
     "ascend-layerwise-raw": {"engine": {"enable_prefix_caching": True}, "reset": True,
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True}}},
     "ascend-layerwise-raw-w4": {"engine": {"enable_prefix_caching": True}, "reset": True,
@@ -186,7 +186,7 @@ def child(spec: dict) -> None:
 
 
 def start_server(argv: list[str] | None, log_path: str) -> None:
-    """A configuration's cache server (``lmcache server ...``), once it accepts connections;
+    """A configuration's cache server (``python -m MODULE ...``), once it accepts connections;
     it gets SIGTERM when this engine process ends (exit, or a timeout's kill)."""
     if not argv:
         return
@@ -197,7 +197,7 @@ def start_server(argv: list[str] | None, log_path: str) -> None:
 
     libc = ctypes.CDLL(None)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "lmcache.cli.main", *argv], stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=log,
                                 stderr=subprocess.STDOUT,
                                 preexec_fn=lambda: libc.prctl(1, signal.SIGTERM))  # PR_SET_PDEATHSIG
     atexit.register(proc.terminate)
