@@ -56,11 +56,14 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Layerwise (the default) needs PIECEWISE graphs: a full CUDA/ACL graph's replay runs
-        no Python, so ``wait_for_layer_load`` and ``save_kv_layer`` would not run and the
-        forward would read layers before their load lands. vLLM asks this while it resolves
-        its config and then captures only the pieces between attention calls."""
-        return StoreConfig.parse(extra_config).use_layerwise
+        """No: vLLM keeps its full graphs. A full CUDA/ACL graph's replay runs no Python, so
+        no ``wait_for_layer_load`` or ``save_kv_layer``; the scheduler marks each step vLLM
+        may replay that way (uniform decodes, which a full pool hit is), and the worker
+        loads such a step whole before the forward and saves it after. Other steps run
+        PIECEWISE graphs, with the per-layer hooks between the pieces. vLLM asks this
+        while it resolves its config: a misspelt key fails here, named."""
+        StoreConfig.parse(extra_config)
+        return False
 
     # A dropped save is a future miss, not lost data: nothing must wait for delivery.
     @property

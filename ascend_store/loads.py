@@ -118,18 +118,21 @@ class Loader:
                 self.ctx.device_path.dev.wait(done, self._compute(job))
                 job.awaited = done
 
-    def finish(self, job: LoadJob) -> None:
-        """Every layer of ``job`` landed, or is awaited by the compute stream."""
+    def finish(self, job: LoadJob, before_forward: bool = False) -> None:
+        """Every layer of ``job`` landed, or is awaited by the compute stream (by the
+        forward's, ``before_forward``: so the forward waited for every layer)."""
+        job.waited |= before_forward
         if job.future is not None and wait([job.future], timeout=self.ctx.cfg.load_timeout_s).not_done:
             self.abandon(job, "load job did not finish")
         if self.in_step and self.ctx.cfg.use_layerwise and not job.cancelled:
             # A layer the forward never waited for read its blocks before they landed: every
-            # layer when a full CUDA/ACL graph ran the forward (its replay runs no hook).
+            # layer when a full CUDA/ACL graph ran a step not marked ``full_graph`` (its
+            # replay runs no hook; pool_scheduler.py predicts which steps vLLM replays).
             skipped = (f"layer {job.todo[job.next][0].layers[0].name}" if job.next < len(job.todo)
                        else None if job.waited else "any layer")
             if skipped:
-                self.abandon(job, f"the forward never waited for {skipped}; layerwise loads need "
-                                  "PIECEWISE graphs (or use_layerwise: false)")
+                self.abandon(job, f"the forward never waited for {skipped} (a full graph ran a "
+                                  "step the scheduler did not mark full_graph)")
         if self.ctx.device_path is not None:
             self._queue_upto(job, len(self.ctx.order))
             for event in {id(e): e for e in job.device_events.values()}.values():  # one per batch

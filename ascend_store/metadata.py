@@ -52,6 +52,9 @@ class StepMetadata(KVConnectorMetadata):
     # returns, so the reply cannot overtake them.
     commit_now: bool = False
     new_tokens: int = 0  # tokens the step computes (how far loads are queued ahead: loads.py)
+    # vLLM may replay one full CUDA/ACL graph for this step (pool_scheduler.py): no per-layer
+    # hook runs inside it, so its loads land before the forward and its saves queue after.
+    full_graph: bool = False
 
 
 @dataclass

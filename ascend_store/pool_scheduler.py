@@ -100,6 +100,14 @@ class PoolScheduler:
         self._async_ready: list[str] = []  # allocated, load not yet sent to the workers
         self.commit_before_reply = cfg.commit_before_reply and kv_role == "kv_producer"
         self.counters = IntervalCounters()
+        # Which steps vLLM may run as one full graph (its cudagraph dispatcher): a batch of
+        # uniform decodes (each request 1 + speculative tokens) under any mode with full
+        # graphs, every batch under FULL. Where it has none, the flag only costs a step of
+        # tiny forwards their overlap.
+        mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+        self._all_full_graphs = getattr(mode, "name", "") == "FULL"
+        spec = vllm_config.speculative_config
+        self._decode_tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         self.decode_chain = DecodeChain(self.chunk, self.counters) \
             if cfg.save_decode_cache and self.can_save and not self.state_groups else None
         self.producer_wait = ProducerWait(cfg.consumer_wait_s, self.counters)  # pd_wait.py
@@ -274,7 +282,8 @@ class PoolScheduler:
 
     # -- per step -------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
-        meta = StepMetadata(new_tokens=scheduler_output.total_num_scheduled_tokens)
+        meta = StepMetadata(new_tokens=scheduler_output.total_num_scheduled_tokens,
+                            full_graph=self._full_graph(scheduler_output))
         for req_id in self.compaction.planned(scheduler_output) & self._reqs.keys():
             self._reqs[req_id].compacted = True
         for rid in self._async_ready:
@@ -311,6 +320,10 @@ class PoolScheduler:
             self._plan_saves(req_id, state, cached.num_computed_tokens[i]
                              + scheduler_output.num_scheduled_tokens[req_id], meta)
         return meta
+
+    def _full_graph(self, scheduler_output) -> bool:
+        counts = scheduler_output.num_scheduled_tokens.values()
+        return self._all_full_graphs or (bool(counts) and max(counts) == min(counts) <= self._decode_tokens)
 
     def _plan_saves(self, req_id: str, state: _Request, computed_after_step: int,
                     meta: StepMetadata) -> None:

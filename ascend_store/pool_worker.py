@@ -6,7 +6,8 @@ registered layers and the pool through ``worker_context.WorkerContext``. This mo
 keeps what spans both: registration (layouts, codecs, the batched copy path), the
 hybrid models' deferred state copies, and the per-step bookkeeping the tests read.
 With ``use_layerwise: false`` the same jobs run whole: the load before the forward, the
-save after it.
+save after it; so does every step that vLLM may run as one full CUDA/ACL graph (uniform
+decodes: a full pool hit computes one token), whose replay calls no per-layer hook.
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ class PoolWorker:
         self._step_loads = False
         self._begun: StepMetadata | None = None  # the step whose loads started
         self._waited: set[str] = set()
+        # This step's loads and saves go layer by layer (false: whole, before and after the
+        # forward; a step vLLM may run as one full graph calls no per-layer hook).
+        self._layerwise = cfg.use_layerwise
         self.load_step_layers: deque[int] = deque(maxlen=4096)  # layers that waited, per loading step
         self._pool_stats_at = 0.0
         self.step_hooks: deque[tuple[int, int]] = deque(maxlen=4096)  # (waits, saves) per step
@@ -276,8 +280,10 @@ class PoolWorker:
     def start_load_kv(self, meta: StepMetadata) -> None:
         self.saver.drain()
         job = self._begin(meta)
-        if job is not None and not self.cfg.use_layerwise:
-            self.loader.finish(job)
+        self._layerwise = self.cfg.use_layerwise and not meta.full_graph
+        if job is not None and not self._layerwise:
+            self.loader.finish(job, before_forward=True)
+            self.counters["loads_before_forward"] += 1
             self._run_state_copies()
 
     def starts_early(self) -> bool:
@@ -303,7 +309,7 @@ class PoolWorker:
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._waits += 1
         self._waited.add(layer_name)
-        if self.loader.job is None or not self.cfg.use_layerwise:
+        if self.loader.job is None or not self._layerwise:
             return
         for part in self.parts.get(layer_name, (layer_name,)):
             self.loader.wait(part)
@@ -323,7 +329,7 @@ class PoolWorker:
     # -- saves ----------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, meta: StepMetadata | None) -> None:
         self._saves += 1
-        if self.cfg.use_layerwise:
+        if self._layerwise:
             for part in self.parts.get(layer_name, (layer_name,)):
                 self.saver.save_layer(part, meta.saves if meta is not None else None)
 
@@ -345,8 +351,9 @@ class PoolWorker:
         self.counters["max_rpcs_per_step"] = max(self.counters["max_rpcs_per_step"], rpcs - self._rpcs_seen)
         self._rpcs_seen = rpcs
         # commit_now: the reply leaves after this step, so its objects are published first.
-        self.saver.end_step(meta.saves if meta is not None else None, whole=not self.cfg.use_layerwise,
+        self.saver.end_step(meta.saves if meta is not None else None, whole=not self._layerwise,
                             publish=meta is not None and meta.commit_now)
+        self._layerwise = self.cfg.use_layerwise
 
     def stats(self) -> AscendStoreStats:
         now = time.monotonic()

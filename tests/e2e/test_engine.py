@@ -31,6 +31,15 @@ def test_fresh_engine_loads_from_standalone_pool(tmp_path, model, baseline, pool
     assert [o["num_cached_tokens"] for o in got] == [96, 128, 159]
     assert b["worker"]["loaded_objects"] > 0 and b["worker"]["failed_blocks"] == 0
     assert_same_outputs(got, baseline)
+    if layerwise:
+        # A step of full hits computes one token per request: vLLM may run it as one full
+        # graph, which calls no per-layer hook, so the scheduler marks it and its load lands
+        # before the forward. The mixed step above (5, 9 and 1 new tokens) went by layer.
+        assert b["worker"].get("loads_before_forward", 0) == 0
+        c = run_engine(tmp_path, model, [[prompts()[2]]], kv)
+        assert [o["num_cached_tokens"] for o in c["rounds"][0]] == [159]
+        assert c["worker"]["loads_before_forward"] == 1 and c["worker"]["failed_blocks"] == 0
+        assert_same_outputs(c["rounds"][0], baseline[2:])
 
 
 def test_repeat_prompt_within_one_engine_embedded_pool(tmp_path, model, baseline):

@@ -229,13 +229,13 @@ def test_disk_tier_keys():
         StoreConfig.parse({"local": {"disk_path": 5}})
 
 
-@pytest.mark.parametrize("extra, mode", [({}, "PIECEWISE"), ({"use_layerwise": True}, "PIECEWISE"),
-                                         ({"use_layerwise": False}, "FULL_AND_PIECEWISE")])
-def test_vllm_runs_layerwise_under_piecewise_graphs(monkeypatch, extra, mode):
-    # A full graph's replay would skip wait_for_layer_load and save_kv_layer. vLLM's own
-    # config resolution asks the connector class it loads. This CPU platform has no graphs
-    # and turns compilation down to suit itself; patched: it has graphs and leaves the
-    # compilation config alone, as CUDA's and Ascend's keep VLLM_COMPILE.
+@pytest.mark.parametrize("extra", [{}, {"use_layerwise": True}, {"use_layerwise": False}])
+def test_vllm_keeps_its_full_graphs(monkeypatch, extra):
+    # vLLM's own config resolution asks the connector class it loads whether it needs
+    # PIECEWISE graphs; ours marks the steps a full graph may run instead (pool_scheduler.py),
+    # so vLLM keeps FULL_AND_PIECEWISE (full hits then run as native's do). This CPU platform
+    # has no graphs and turns compilation down to suit itself; patched: it has graphs and
+    # leaves the compilation config alone, as CUDA's and Ascend's keep VLLM_COMPILE.
     from vllm.config import CompilationConfig, CompilationMode, KVTransferConfig, VllmConfig
     from vllm.platforms import current_platform
 
@@ -247,7 +247,7 @@ def test_vllm_runs_layerwise_under_piecewise_graphs(monkeypatch, extra, mode):
     cfg = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
                                                           cudagraph_mode="FULL_AND_PIECEWISE"),
                      kv_transfer_config=ktc)
-    assert cfg.compilation_config.cudagraph_mode.name == mode
+    assert cfg.compilation_config.cudagraph_mode.name == "FULL_AND_PIECEWISE"
 
 
 def test_a_bad_key_fails_when_vllm_asks_for_the_graph_mode():

@@ -108,6 +108,39 @@ def test_a_layerwise_load_the_forward_never_waited_for_is_recomputed(pool, monke
     worker.shutdown()
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["host", "copy-engine"])
+def test_a_full_graph_step_loads_before_the_forward_and_saves_after_it(pool, monkeypatch, early):
+    # A step the scheduler marks ``full_graph`` (vLLM may replay one full CUDA/ACL graph for
+    # it, whose replay calls no per-layer hook): its loads have landed, or are awaited by
+    # the forward's stream, when start_load_kv returns, and its saves are queued after the
+    # forward by wait_for_save. Unmarked, the same calls lose both (the test above).
+    monkeypatch.setattr(PoolWorker, "starts_early", lambda self: early)
+    worker, caches, src, dst, chunks = _worker_with_two_saved_chunks(pool)
+    for cache in caches.values():
+        cache[:, dst] = 0
+    saved = f"{7:032x}"
+    step = StepMetadata(loads=[ChunkLoad("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(dst))],
+                        saves=[ChunkSave("s", 0, saved, src[:CHUNK_BLOCKS])], new_tokens=1,
+                        commit_now=True, full_graph=True)
+    worker.handle_preemptions(step)
+    worker.start_load_kv(step)
+    for name, cache in caches.items():  # what the forward reads (CPU copies run in the call)
+        assert torch.equal(cache[:, dst], cache[:, src]), name
+    worker.wait_for_save(step)  # no wait_for_layer_load or save_kv_layer in between
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert worker.counters.total["loads_before_forward"] == 1
+    for cache in caches.values():
+        cache[:, dst] = 0
+    load = StepMetadata(loads=[ChunkLoad("r", 0, saved, dst[:CHUNK_BLOCKS])], new_tokens=1, full_graph=True)
+    worker.handle_preemptions(load)
+    worker.start_load_kv(load)
+    worker.wait_for_save(load)
+    assert worker.get_block_ids_with_load_errors() == set()
+    for name, cache in caches.items():
+        assert torch.equal(cache[:, dst[:CHUNK_BLOCKS]], cache[:, src[:CHUNK_BLOCKS]]), name
+    worker.shutdown()
+
+
 def test_loads_start_when_the_scheduler_hands_the_step_over(pool, monkeypatch):
     # Where a copy engine runs, the scheduler of the same process hands each step over as
     # it builds it (connector.py): the last step's saves drain and the loads start then,
