@@ -40,7 +40,8 @@ def fake_vllm(layers: int, block: int = BLOCK):
         model_config=SimpleNamespace(model="bench-model", revision=None, dtype="bfloat16"),
         cache_config=SimpleNamespace(block_size=block, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        device_config=SimpleNamespace(device_type="cpu"))
+        device_config=SimpleNamespace(device_type="cpu"),
+        compilation_config=SimpleNamespace(cudagraph_mode=None), speculative_config=None)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     spec = FullAttentionSpec(block_size=block, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     return vllm_config, KVCacheConfig(0, [], [KVCacheGroupSpec(names, spec)])
