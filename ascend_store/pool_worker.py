@@ -105,9 +105,6 @@ class PoolWorker:
         self._step_loads = False
         self._begun: StepMetadata | None = None  # the step whose loads started
         self._waited: set[str] = set()
-        # This step's loads and saves go layer by layer (false: whole, before and after the
-        # forward; a step vLLM may run as one full graph calls no per-layer hook).
-        self._layerwise = cfg.use_layerwise
         self.load_step_layers: deque[int] = deque(maxlen=4096)  # layers that waited, per loading step
         self._pool_stats_at = 0.0
         self.step_hooks: deque[tuple[int, int]] = deque(maxlen=4096)  # (waits, saves) per step
@@ -280,11 +277,17 @@ class PoolWorker:
     def start_load_kv(self, meta: StepMetadata) -> None:
         self.saver.drain()
         job = self._begin(meta)
-        self._layerwise = self.cfg.use_layerwise and not meta.full_graph
-        if job is not None and not self._layerwise:
+        if job is not None and not self.by_layer(meta):
             self.loader.finish(job, before_forward=True)
             self.counters["loads_before_forward"] += 1
             self._run_state_copies()
+
+    def by_layer(self, meta: StepMetadata | None) -> bool:
+        """Whether a step's loads and saves go layer by layer: not in whole mode, nor in a
+        step vLLM may run as one full graph (its replay calls no per-layer hook). Read from
+        each hook's metadata: vLLM 0.32 calls ``start_load_kv`` after the forward in a step
+        without loads, so no state set there may steer that step's saves."""
+        return self.cfg.use_layerwise and not getattr(meta, "full_graph", False)
 
     def starts_early(self) -> bool:
         """Loads start in ``handle_preemptions`` only where a copy engine moves them beside
@@ -309,7 +312,7 @@ class PoolWorker:
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._waits += 1
         self._waited.add(layer_name)
-        if self.loader.job is None or not self._layerwise:
+        if self.loader.job is None or not self.by_layer(self._begun):
             return
         for part in self.parts.get(layer_name, (layer_name,)):
             self.loader.wait(part)
@@ -329,7 +332,7 @@ class PoolWorker:
     # -- saves ----------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, meta: StepMetadata | None) -> None:
         self._saves += 1
-        if self._layerwise:
+        if self.by_layer(meta):
             for part in self.parts.get(layer_name, (layer_name,)):
                 self.saver.save_layer(part, meta.saves if meta is not None else None)
 
@@ -351,9 +354,8 @@ class PoolWorker:
         self.counters["max_rpcs_per_step"] = max(self.counters["max_rpcs_per_step"], rpcs - self._rpcs_seen)
         self._rpcs_seen = rpcs
         # commit_now: the reply leaves after this step, so its objects are published first.
-        self.saver.end_step(meta.saves if meta is not None else None, whole=not self._layerwise,
+        self.saver.end_step(meta.saves if meta is not None else None, whole=not self.by_layer(meta),
                             publish=meta is not None and meta.commit_now)
-        self._layerwise = self.cfg.use_layerwise
 
     def stats(self) -> AscendStoreStats:
         now = time.monotonic()
