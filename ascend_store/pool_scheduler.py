@@ -30,6 +30,7 @@ from ascend_store.backends import BackendUnavailable, create_backend
 from ascend_store.compaction import CompactionPlans, is_compacted
 from ascend_store.config import StoreConfig
 from ascend_store.decode_saves import DecodeChain
+from ascend_store.graph_steps import FullGraphSteps
 from ascend_store.hit_cache import BlockHitCache
 from ascend_store.keys import (
     KeyExtras,
@@ -100,14 +101,7 @@ class PoolScheduler:
         self._async_ready: list[str] = []  # allocated, load not yet sent to the workers
         self.commit_before_reply = cfg.commit_before_reply and kv_role == "kv_producer"
         self.counters = IntervalCounters()
-        # Which steps vLLM may run as one full graph (its cudagraph dispatcher): a batch of
-        # uniform decodes (each request 1 + speculative tokens) under any mode with full
-        # graphs, every batch under FULL. Where it has none, the flag only costs a step of
-        # tiny forwards their overlap.
-        mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-        self._all_full_graphs = getattr(mode, "name", "") == "FULL"
-        spec = vllm_config.speculative_config
-        self._decode_tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        self.full_graph = FullGraphSteps(vllm_config)  # steps vLLM may replay whole (graph_steps.py)
         self.decode_chain = DecodeChain(self.chunk, self.counters) \
             if cfg.save_decode_cache and self.can_save and not self.state_groups else None
         self.producer_wait = ProducerWait(cfg.consumer_wait_s, self.counters)  # pd_wait.py
@@ -283,7 +277,7 @@ class PoolScheduler:
     # -- per step -------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
         meta = StepMetadata(new_tokens=scheduler_output.total_num_scheduled_tokens,
-                            full_graph=self._full_graph(scheduler_output))
+                            full_graph=self.full_graph(scheduler_output))
         for req_id in self.compaction.planned(scheduler_output) & self._reqs.keys():
             self._reqs[req_id].compacted = True
         for rid in self._async_ready:
@@ -320,10 +314,6 @@ class PoolScheduler:
             self._plan_saves(req_id, state, cached.num_computed_tokens[i]
                              + scheduler_output.num_scheduled_tokens[req_id], meta)
         return meta
-
-    def _full_graph(self, scheduler_output) -> bool:
-        counts = scheduler_output.num_scheduled_tokens.values()
-        return self._all_full_graphs or (bool(counts) and max(counts) == min(counts) <= self._decode_tokens)
 
     def _plan_saves(self, req_id: str, state: _Request, computed_after_step: int,
                     meta: StepMetadata) -> None:

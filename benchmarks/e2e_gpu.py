@@ -11,13 +11,15 @@ layerwise on/off, codec raw/int8). All but recompute run with vLLM's prefix cach
 users run it, reset before each repetition where the hit must come from host memory.
 Each prompt is sent once to fill the cache, once more untimed (warm-up), then timed over
 ``--reps`` repetitions (median and p90; every repetition kept in the JSON).
-``--concurrent 16`` adds 16 requests at once sharing 90% of a prompt already sent (TTFT
-p50/p90, requests per second). The first sampled token of every configuration is compared
-with recompute's. The link floor is the prompt's KV bytes over the pinned-copy bandwidth
-measured here. Fresh engines of one configuration differ more than the repetitions inside
-one engine: ``--rounds 3`` runs every configuration three times round robin, each in a
-fresh engine, and pools every repetition of every round (``--tag r4`` in a later call
-adds a round; ``--merge`` pools them).
+``--decode 64`` adds the time per output token of 64-token decodes, 1 and 16 requests at
+once (what vLLM's CUDA graph mode changes). ``--concurrent 16`` adds 16 requests at once
+sharing 90% of a prompt already sent (TTFT p50/p90, requests per second). The first
+sampled token of every configuration is compared with recompute's. The link floor is the
+prompt's KV bytes over the pinned-copy bandwidth measured here. Fresh engines of one
+configuration differ more than the repetitions inside one engine: ``--rounds 3`` runs
+every configuration three times round robin, each in a fresh engine, and pools every
+repetition of every round (``--tag r4`` in a later call adds a round; ``--merge`` pools
+them).
 
 Needs vLLM (on the GPU machine: the offline kit of ../shared/gpu-kit) and, for lmcache,
 LMCache 0.5.3:  python benchmarks/e2e_gpu.py --geometry 1b 7b --json out.json
@@ -72,14 +74,17 @@ CONFIGS = {
                 "env": {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_CHUNK_SIZE": "256",
                         "LMCACHE_MAX_LOCAL_CPU_SIZE": "20", "PYTHONHASHSEED": "0"}},
     # LMCache's multi-process mode: its in-process connector (lmcache) corrupts the KV of
-    # vLLM >= 0.26's packed K/V cache layout (LMCache issue #4463); this mode is unaffected.
-    # The cache server runs beside the engine, on loopback (start_server).
+    # vLLM >= 0.26's packed K/V cache layout (LMCache issue #4463), which reports this mode
+    # unaffected; with the cache scrubbed its hits still gave wrong first tokens here
+    # (docs/benchmarks.md, seventeenth pass). The cache server runs beside the engine, on
+    # loopback (start_server).
     "lmcache-mp": {"engine": {"enable_prefix_caching": True}, "reset": True,
                    "kv": {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                           "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
                                                         "lmcache.mp.port": 5555}},
                    "server": ["lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port", "5555",
-                              "--chunk-size", "256", "--l1-size-gb", "20", "--disable-observability"]},
+                              "--chunk-size", "256", "--l1-size-gb", "20", "--eviction-policy", "LRU",
+                              "--disable-observability"]},
     "ascend-layerwise-raw": {"engine": {"enable_prefix_caching": True}, "reset": True,
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True}}},
     "ascend-layerwise-raw-w4": {"engine": {"enable_prefix_caching": True}, "reset": True,
@@ -124,6 +129,8 @@ def child(spec: dict) -> None:
         kwargs.update(distributed_executor_backend="uni", block_size=128)
     if spec.get("graphs"):  # the timed hits compute one token: small batches are all it needs
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
+        if spec.get("cudagraph_mode"):  # e.g. PIECEWISE: vLLM's forward without full graphs
+            kwargs["compilation_config"]["cudagraph_mode"] = spec["cudagraph_mode"]
     kwargs.update(conf.get("engine", {}))
     if conf.get("kv"):
         kv = dict(conf["kv"])
@@ -175,6 +182,8 @@ def child(spec: dict) -> None:
         if prof:
             write_profile(prof, os.path.join(spec["profile"], f"{spec['name']}-{n // 1024}K.txt"),
                           spec["reps"])
+    if spec.get("decode"):
+        out["decode"] = decode(llm, spec)
     if spec.get("concurrent"):
         try:
             out["concurrent"] = concurrent(llm, spec, conf, params)
@@ -304,6 +313,37 @@ def concurrent(llm, spec: dict, conf: dict, params) -> dict:
     return got
 
 
+def decode(llm, spec: dict) -> dict:
+    """Time per output token of 1 and of 16 requests decoding together from 512-token
+    prompts the device cache holds (no reset): what vLLM's graph mode changes after a hit.
+    Per batch: the median of 3 timed runs of ``--decode`` tokens less that of 1 token, over
+    the tokens in between."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    n, rng, got = spec["decode"], random.Random(512), {}
+    for batch in (1, 16):
+        prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, 32000) for _ in range(512)])
+                   for _ in range(batch)]
+        ms = {}
+        for k in (1, n):
+            params = SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True, detokenize=False)
+            llm.generate(prompts, params, use_tqdm=False)  # warm-up (the first fills the cache)
+            runs = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                runs.append((time.perf_counter() - t0) * 1e3)
+            ms[k] = statistics.median(runs)
+        got[str(batch)] = {"tpot_ms": (ms[n] - ms[1]) / (n - 1), "first_ms": ms[1], "all_ms": ms[n]}
+    return got
+
+
+def decode_line(d: dict) -> str:
+    return "decode, time per output token: " + ", ".join(
+        f"{b} at once {r['tpot_ms']:.2f} ms" for b, r in d.items())
+
+
 def pool_rounds(results: dict) -> None:
     """Pools a configuration's rounds (``name@r1``.., ``name@tag-r1``..) into ``name``
     (``name@tag``): one median and p90 over all their repetitions, each round's median kept."""
@@ -326,6 +366,10 @@ def pool_rounds(results: dict) -> None:
             keys = ("ttft_p50_ms", "ttft_p90_ms", "req_per_s")
             pooled["concurrent"] = {**conc[0], "rounds": conc, **{k: statistics.median(c[k] for c in conc)
                                                                    for k in keys}}
+        dec = [r["decode"] for r in rs if "decode" in r]
+        if dec:
+            pooled["decode"] = {b: {"tpot_ms": statistics.median(d[b]["tpot_ms"] for d in dec),
+                                    "round_ms": [d[b]["tpot_ms"] for d in dec]} for b in dec[0]}
         results["runs"][key] = pooled
 
 
@@ -380,6 +424,8 @@ def report(results: dict, tokens: list[int]) -> None:
                     f"{'/'.join(f'{t:.0f}' for t in r[str(n)]['round_ms']):>8}" for n in tokens))
             if "concurrent" in r:
                 print("    " + concurrent_line(r["concurrent"]))
+            if "decode" in r:
+                print("    " + decode_line(r["decode"]))
         floor = [n * 2 * layers * kv * hd * 2 / gbs / 1e6 for n in tokens]
         print(f"  {'link floor':<22}" + " ".join(f"{f:8.1f}" for f in floor))
 
@@ -420,6 +466,8 @@ def main() -> None:
     ap.add_argument("--concurrent", type=int, default=0,
                     help="also run this many requests at once sharing 90%% of a prompt")
     ap.add_argument("--concurrent-tokens", type=int, default=16384)
+    ap.add_argument("--decode", type=int, default=0, metavar="N",
+                    help="also time N-token decodes of 1 and 16 requests (time per output token)")
     ap.add_argument("--json")
     ap.add_argument("--plot", help="write a PNG of TTFT against prompt length")
     ap.add_argument("--merge", nargs="+", help="report saved results instead of running")
@@ -436,6 +484,7 @@ def main() -> None:
                          "and pool the rounds (name@r1.. and the pooled name)")
     ap.add_argument("--graphs", action="store_true",
                     help="vLLM's CUDA graphs (its default; a connector may ask for PIECEWISE), not eager")
+    ap.add_argument("--cudagraph-mode", help="with --graphs: vLLM's cudagraph_mode (default: its own)")
     ap.add_argument("--scrub", action="store_true",
                     help="overwrite the KV cache (a constant) after each prefix cache reset")
     ap.add_argument("--package", help="import ascend_store from this checkout (an A/B of the connector)")
@@ -468,10 +517,11 @@ def main() -> None:
         tmp = tempfile.mkdtemp(prefix="ascend-e2e-")
         spec = {"config": name, "model": model_dir(geometry), "tokens": args.tokens, "reps": args.reps,
                 "tmp": tmp, "gpu": gbs == gbs, "concurrent": args.concurrent,
-                "concurrent_tokens": args.concurrent_tokens, "name": f"{geometry}-{name}",
+                "concurrent_tokens": args.concurrent_tokens, "decode": args.decode,
+                "name": f"{geometry}-{name}",
                 "profile": args.profile and os.path.abspath(args.profile),
                 "trace": args.trace and os.path.join(tmp, "trace"), "graphs": args.graphs,
-                "scrub": args.scrub}
+                "scrub": args.scrub, "cudagraph_mode": args.cudagraph_mode}
         path = [os.path.abspath(args.package or REPO), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, **CONFIGS[name].get("env", {}), **dict(e.split("=", 1) for e in args.env)}
         if args.trace:
@@ -511,6 +561,8 @@ def main() -> None:
                           + "\n      ".join(hook_trace.summary(got[str(n)]["trace"])), flush=True)
                     for stack, count in got[str(n)].get("samples", [])[:12]:
                         print(f"      {count:5d}  {stack[:160]}", flush=True)
+            if "decode" in got:
+                print(f"{'':>3} {'':<22} " + decode_line(got["decode"]), flush=True)
             if "concurrent" in got:
                 print(f"{'':>3} {'':<22} " + concurrent_line(got["concurrent"]), flush=True)
                 if "trace" in got["concurrent"]:

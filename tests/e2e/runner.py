@@ -14,6 +14,8 @@ Job: {"model", "kv_config" | null, "rounds": [[token-id prompts] or "continue" (
       "kv_events": KVEventsConfig fields (vLLM's KV event publisher), or absent,
       "start_early": true: PoolWorker.starts_early answers true on this CPU too, so loads
                      start as a copy engine's do (at the scheduler's hand-over),
+      "full_graphs": true: the scheduler marks the steps vLLM's default FULL_AND_PIECEWISE
+                     graphs would replay whole (graph_steps.py), which this CPU has not,
       "trace_memory": true to report Python allocations by ascend_store code that outlive
                       rounds 3.. (result "traced_growth", bytes)}
 With ``engine_args`` {"distributed_executor_backend": "mp", "tensor_parallel_size" or
@@ -115,6 +117,16 @@ def main(job_path: str) -> None:
         from ascend_store.pool_worker import PoolWorker
 
         PoolWorker.starts_early = lambda self: True
+    if job.get("full_graphs"):
+        from ascend_store.graph_steps import FullGraphSteps
+
+        resolve = FullGraphSteps.__init__
+
+        def as_under_full_and_piecewise(self, vllm_config):
+            resolve(self, vllm_config)
+            self.max_tokens, self.mixed = 512, False  # vLLM's largest capture size by default
+
+        FullGraphSteps.__init__ = as_under_full_and_piecewise
     llm = LLM(**kwargs)
     if kwargs.get("pipeline_parallel_size", 1) > 1:
         llm.collective_rpc(_stage_buffers)

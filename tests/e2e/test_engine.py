@@ -32,11 +32,16 @@ def test_fresh_engine_loads_from_standalone_pool(tmp_path, model, baseline, pool
     assert b["worker"]["loaded_objects"] > 0 and b["worker"]["failed_blocks"] == 0
     assert_same_outputs(got, baseline)
     if layerwise:
-        # A step of full hits computes one token per request: vLLM may run it as one full
-        # graph, which calls no per-layer hook, so the scheduler marks it and its load lands
-        # before the forward. The mixed step above (5, 9 and 1 new tokens) went by layer.
+        # A step of full hits computes one token per request: under vLLM's default
+        # FULL_AND_PIECEWISE graphs it replays one full graph, which calls no per-layer hook,
+        # so the scheduler marks it and its load lands before the forward (this CPU has no
+        # graphs: the runner's ``full_graphs`` marks as a GPU's would). The mixed step above
+        # (5, 9 and 1 new tokens) and, without graphs, every step go by layer.
         assert b["worker"].get("loads_before_forward", 0) == 0
-        c = run_engine(tmp_path, model, [[prompts()[2]]], kv)
+        eager = run_engine(tmp_path, model, [[prompts()[2]]], kv)
+        assert eager["worker"].get("loads_before_forward", 0) == 0 and eager["worker"]["loaded_objects"] > 0
+        assert_same_outputs(eager["rounds"][0], baseline[2:])
+        c = run_engine(tmp_path, model, [[prompts()[2]]], kv, full_graphs=True)
         assert [o["num_cached_tokens"] for o in c["rounds"][0]] == [159]
         assert c["worker"]["loads_before_forward"] == 1 and c["worker"]["failed_blocks"] == 0
         assert_same_outputs(c["rounds"][0], baseline[2:])
