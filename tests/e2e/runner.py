@@ -41,6 +41,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from e2e_gpu import scrub_kv_caches, worker_counters  # noqa: E402  (shared with the GPU benchmark)
 
 
+def _no_amx_kernels() -> None:
+    """vLLM CPU picks its AMX attention and MLA kernels where the CPU has AMX (bf16, blocks
+    of 32): they compute a prefill after a cached prefix by another path than a whole
+    prefill (bf16 logprobs up to 0.07 apart with the same KV) and keep MLA's block size
+    at 32 instead of 16. The engines here run its AVX-512/AVX2 kernels on every CPU, so
+    the comparisons with and without the pool (1e-4) and the block counts hold on any CI
+    machine. Before vLLM is imported; forked workers inherit it."""
+    import torch
+
+    torch.cpu._is_amx_tile_supported = lambda: False
+
+
+_no_amx_kernels()
+
+
 def _connectors(llm):
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
