@@ -230,18 +230,12 @@ def test_disk_tier_keys():
 
 
 @pytest.mark.parametrize("extra", [{}, {"use_layerwise": True}, {"use_layerwise": False}])
-def test_vllm_keeps_its_full_graphs(monkeypatch, extra):
+def test_vllm_keeps_its_full_graphs(platform_with_graphs, extra):
     # vLLM's own config resolution asks the connector class it loads whether it needs
-    # PIECEWISE graphs; ours marks the steps a full graph may run instead (pool_scheduler.py),
-    # so vLLM keeps FULL_AND_PIECEWISE (full hits then run as native's do). This CPU platform
-    # has no graphs and turns compilation down to suit itself; patched: it has graphs and
-    # leaves the compilation config alone, as CUDA's and Ascend's keep VLLM_COMPILE.
+    # PIECEWISE graphs; ours marks the steps a full graph may run instead (graph_steps.py),
+    # so vLLM keeps FULL_AND_PIECEWISE (full hits then run as native's do).
     from vllm.config import CompilationConfig, CompilationMode, KVTransferConfig, VllmConfig
-    from vllm.platforms import current_platform
 
-    platform = type(current_platform)
-    monkeypatch.setattr(platform, "support_static_graph_mode", classmethod(lambda cls: True))
-    monkeypatch.setattr(platform, "check_and_update_config", classmethod(lambda cls, config: None))
     ktc = KVTransferConfig(kv_connector="AscendStoreConnector", kv_role="kv_both",
                            kv_connector_module_path="ascend_store.connector", kv_connector_extra_config=extra)
     cfg = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.VLLM_COMPILE,

@@ -10,16 +10,11 @@ import pytest
 from ascend_store.graph_steps import FullGraphSteps
 
 
-def resolved(monkeypatch, tmp_path, mode: str, spec_tokens: int = 0, eager: bool = False):
+def resolved(tmp_path, mode: str, spec_tokens: int = 0, eager: bool = False):
     """vLLM's own config resolution for ``mode`` (captures up to 8 tokens) and a one-layer
-    Llama. This CPU platform has no graphs and turns them off; patched, it keeps them as
-    CUDA's does."""
+    Llama, on a platform with graphs (the ``platform_with_graphs`` fixture)."""
     from vllm.config import CompilationConfig, CompilationMode, ModelConfig, VllmConfig
-    from vllm.platforms import current_platform
 
-    platform = type(current_platform)
-    monkeypatch.setattr(platform, "support_static_graph_mode", classmethod(lambda cls: True))
-    monkeypatch.setattr(platform, "check_and_update_config", classmethod(lambda cls, config: None))
     (tmp_path / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -52,16 +47,16 @@ STEPS = {"full hit": step(1), "two full hits": step(1, 1), "mixed": step(5, 1), 
     ("PIECEWISE", set()),  # the hooks run between the pieces: every step goes by layer
     ("NONE", set()),  # the CPU platform
 ])
-def test_marks_the_steps_vllm_replays_whole(monkeypatch, tmp_path, mode, marked):
-    full_graph = FullGraphSteps(resolved(monkeypatch, tmp_path, mode))
+def test_marks_the_steps_vllm_replays_whole(platform_with_graphs, tmp_path, mode, marked):
+    full_graph = FullGraphSteps(resolved(tmp_path, mode))
     assert {name for name, s in STEPS.items() if full_graph(s)} == marked
 
 
-def test_enforce_eager_marks_nothing(monkeypatch, tmp_path):
-    full_graph = FullGraphSteps(resolved(monkeypatch, tmp_path, "FULL_AND_PIECEWISE", eager=True))
+def test_enforce_eager_marks_nothing(platform_with_graphs, tmp_path):
+    full_graph = FullGraphSteps(resolved(tmp_path, "FULL_AND_PIECEWISE", eager=True))
     assert not any(full_graph(s) for s in STEPS.values())
 
 
-def test_speculative_decodes_are_uniform_decodes(monkeypatch, tmp_path):
-    full_graph = FullGraphSteps(resolved(monkeypatch, tmp_path, "FULL_AND_PIECEWISE", spec_tokens=2))
+def test_speculative_decodes_are_uniform_decodes(platform_with_graphs, tmp_path):
+    full_graph = FullGraphSteps(resolved(tmp_path, "FULL_AND_PIECEWISE", spec_tokens=2))
     assert full_graph(step(3, 3)) and full_graph(step(1)) and not full_graph(step(4, 3))
