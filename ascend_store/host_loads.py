@@ -11,7 +11,7 @@ two sums over it, one numpy pass that combines them into each object's word chec
 pages are left out of the scatter and its entries are reported.
 
 Only raw parts whose offsets and pages are whole 8-byte words take this path; int8 and
-zstd parts decode per object in ``loads.py`` (their decoders are per-object tensor code,
+zstd parts decode per object (``decode_layer``: their decoders are per-object tensor code,
 and the accelerator path covers int8 in bulk). Parts sealed with a CRC32 (by writers
 before host writers sealed word sums, or zstd) are checked one by one: rare, and CRC32
 has no batched form here.
@@ -29,7 +29,15 @@ import torch
 from ascend_store.checksum import combine_sums
 from ascend_store.codecs import scatter_pages
 from ascend_store.segments import WORD, StepPages
-from ascend_store.transfer import FLAG_CRC, FLAG_WSUM, HEADER_BYTES, LayerLayout
+from ascend_store.transfer import (
+    FLAG_CRC,
+    FLAG_WSUM,
+    HEADER_BYTES,
+    CorruptObject,
+    LayerLayout,
+    _payload_sum,
+    decode_object,
+)
 
 # Pages gathered, checked and scattered at once. Small enough that a paced load
 # (``Scratch.rest``) spreads its memory traffic over the forward's steps instead of
@@ -127,6 +135,45 @@ def load_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, page
         scratch.rest(t0)
     failed = np.flatnonzero(bad)
     return LayerFaults(failed, [why[e] for e in failed.tolist()])
+
+
+def copy_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, adm, i: int, name: str,
+               starts: np.ndarray, failed: set[int], verify: bool, scratch: Scratch) -> list[tuple[int, str]]:
+    """Layer ``i`` (``name``) of a group's admitted entries (``loads.Admitted``) by
+    ``load_layer``; returns (load index, why) for each entry whose part failed."""
+    live = ~np.isin(adm.entries, np.fromiter(failed, dtype=np.int64, count=len(failed)))
+    faults = load_layer(words, arena, layout, adm.planner.pages, starts, adm.headers[i, adm.obj], live,
+                        verify, scratch)
+    return [(int(adm.entries[e]), f"{adm.step.keys[adm.obj[e]]} layer {name}: {why}")
+            for e, why in zip(faults.entries.tolist(), faults.why)]
+
+
+def decode_layer(arena: torch.Tensor, layout: LayerLayout, codec, adm, i: int, name: str, loads: list,
+                 failed: set[int], verify: bool) -> list[tuple[int, str]]:
+    """Object by object: int8 and zstd parts (per-object decoders) and unaligned raw ones.
+    Returns (load index, why) for each entry whose part failed."""
+    host = arena.numpy()
+    checked: dict[int, bool] = {}
+    bad = []
+    for j, k in zip(adm.entries.tolist(), adm.obj.tolist()):
+        if j in failed:
+            continue
+        off, h = int(adm.parts[i, k]), adm.headers[i, k]
+        n = int(h["payload"])
+        label = f"{adm.step.keys[k]} layer {name}"
+        try:
+            if verify and k not in checked:
+                flags = int(h["flags"])
+                checked[k] = bool(flags & (FLAG_CRC | FLAG_WSUM)) and \
+                    _payload_sum(host[off + HEADER_BYTES:off + HEADER_BYTES + n], flags) == int(h["crc"])
+            if verify and not checked[k]:
+                raise CorruptObject(f"{label}: checksum mismatch")
+            ld = loads[j]
+            decode_object(arena[off:off + HEADER_BYTES + n], n, layout, ld.block_ids, ld.skip, label,
+                          ld.object_blocks, codec)
+        except CorruptObject as exc:
+            bad.append((j, str(exc)))
+    return bad
 
 
 def _check_words(rows: torch.Tensor, obj: np.ndarray, page: np.ndarray, pw: int, headers: np.ndarray,

@@ -30,14 +30,10 @@ from ascend_store.device_work import BatchLoad, LayerObjects, QueuedLoad, queue_
 from ascend_store.metadata import ChunkLoad
 from ascend_store.segments import CopyPlanner, StepPages
 from ascend_store.transfer import (
-    FLAG_CRC,
     FLAG_WSUM,
-    HEADER_BYTES,
     HEADER_RECORD,
     CorruptObject,
-    _payload_sum,
     check_headers,
-    decode_object,
     fault_messages,
     walk_parts,
 )
@@ -269,10 +265,14 @@ class Loader:
                     t_layer = time.perf_counter()
                     starts = adm.parts[i, adm.obj]
                     if words is not None and host_loads.batched(ctx.layouts[name], ctx.codecs[name], starts):
-                        self._copy_layer(job, words, host, adm, name, i, starts)
+                        bad = host_loads.copy_layer(words, host, ctx.layouts[name], adm, i, name, starts,
+                                                    job.failed, ctx.cfg.verify_checksum, self._scratch)
                     else:
-                        self._decode_layer(job, host, arena, adm, name, i)
+                        bad = host_loads.decode_layer(arena, ctx.layouts[name], ctx.codecs[name], adm, i,
+                                                      name, job.loads, job.failed, ctx.cfg.verify_checksum)
                         self._scratch.rest(t_layer)
+                    for j, why in bad:
+                        self._rejected(job, j, CorruptObject(why))
                 job.events[name].set()
         except Exception as exc:  # the pool is an optimization: never fail the forward
             self._load_failed(job, exc)
@@ -281,41 +281,6 @@ class Loader:
                 ev.set()
             ctx.counters["load_seconds"] += time.perf_counter() - t0
             self._release(job)
-
-    def _copy_layer(self, job: LoadJob, words: torch.Tensor, host: np.ndarray, adm: Admitted, name: str,
-                    i: int, starts: np.ndarray) -> None:
-        live = ~np.isin(adm.entries, np.fromiter(job.failed, dtype=np.int64, count=len(job.failed)))
-        faults = host_loads.load_layer(words, host, self.ctx.layouts[name], adm.planner.pages, starts,
-                                       adm.headers[i, adm.obj], live, self.ctx.cfg.verify_checksum,
-                                       self._scratch)
-        for e, why in zip(faults.entries.tolist(), faults.why):
-            self._rejected(job, int(adm.entries[e]),
-                           CorruptObject(f"{adm.step.keys[adm.obj[e]]} layer {name}: {why}"))
-
-    def _decode_layer(self, job: LoadJob, host: np.ndarray, arena: torch.Tensor, adm: Admitted,
-                      name: str, i: int) -> None:
-        """Object by object: int8 and zstd parts (per-object decoders) and unaligned raw ones."""
-        ctx = self.ctx
-        checked: dict[int, bool] = {}
-        for j, k in zip(adm.entries.tolist(), adm.obj.tolist()):
-            if j in job.failed:
-                continue
-            off, h = int(adm.parts[i, k]), adm.headers[i, k]
-            n = int(h["payload"])
-            label = f"{adm.step.keys[k]} layer {name}"
-            try:
-                if ctx.cfg.verify_checksum and k not in checked:
-                    payload = host[off + HEADER_BYTES:off + HEADER_BYTES + n]
-                    flags = int(h["flags"])
-                    checked[k] = bool(flags & (FLAG_CRC | FLAG_WSUM)) and \
-                        _payload_sum(payload, flags) == int(h["crc"])
-                if ctx.cfg.verify_checksum and not checked[k]:
-                    raise CorruptObject(f"{label}: checksum mismatch")
-                ld = job.loads[j]
-                decode_object(arena[off:off + HEADER_BYTES + n], n, ctx.layouts[name], ld.block_ids, ld.skip,
-                              label, ld.object_blocks, ctx.codecs[name])
-            except CorruptObject as exc:
-                self._rejected(job, j, exc)
 
     def _queue_device_load(self, job: LoadJob) -> None:
         """The accelerator path, before the forward: one lease and one header pass for

@@ -14,8 +14,9 @@ Job: {"model", "kv_config" | null, "rounds": [[token-id prompts] or "continue" (
       "kv_events": KVEventsConfig fields (vLLM's KV event publisher), or absent,
       "start_early": true: PoolWorker.starts_early answers true on this CPU too, so loads
                      start as a copy engine's do (at the scheduler's hand-over),
-      "full_graphs": true: the scheduler marks the steps vLLM's default FULL_AND_PIECEWISE
-                     graphs would replay whole (graph_steps.py), which this CPU has not,
+      "full_graphs": a cudagraph mode name ("FULL_AND_PIECEWISE", vLLM's default on GPUs,
+                     or "FULL"): the scheduler plans steps as under that mode's graphs
+                     (graph_steps.py), which this CPU has not,
       "trace_memory": true to report Python allocations by ascend_store code that outlive
                       rounds 3.. (result "traced_growth", bytes)}
 With ``engine_args`` {"distributed_executor_backend": "mp", "tensor_parallel_size" or
@@ -31,6 +32,7 @@ import os
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -133,15 +135,18 @@ def main(job_path: str) -> None:
 
         PoolWorker.starts_early = lambda self: True
     if job.get("full_graphs"):
+        from vllm.config import CUDAGraphMode
+
         from ascend_store.graph_steps import FullGraphSteps
 
-        resolve = FullGraphSteps.__init__
+        resolve, mode = FullGraphSteps.__init__, CUDAGraphMode[job["full_graphs"]]
 
-        def as_under_full_and_piecewise(self, vllm_config):
-            resolve(self, vllm_config)
-            self.max_tokens, self.mixed = 512, False  # vLLM's largest capture size by default
+        def as_on_a_gpu(self, vllm_config):  # vLLM's largest capture size by default: 512
+            graphs = SimpleNamespace(cudagraph_mode=mode, max_cudagraph_capture_size=512)
+            resolve(self, SimpleNamespace(compilation_config=graphs,
+                                          speculative_config=vllm_config.speculative_config))
 
-        FullGraphSteps.__init__ = as_under_full_and_piecewise
+        FullGraphSteps.__init__ = as_on_a_gpu
     llm = LLM(**kwargs)
     if kwargs.get("pipeline_parallel_size", 1) > 1:
         llm.collective_rpc(_stage_buffers)

@@ -36,27 +36,31 @@ def step(*tokens: int):
 
 
 STEPS = {"full hit": step(1), "two full hits": step(1, 1), "mixed": step(5, 1), "prefill": step(300),
-         "9 decodes": step(*[1] * 9), "empty": step()}
+         "9 decodes": step(*[1] * 9), "empty": step(), "two-token hit": step(2)}
 
 
 @pytest.mark.parametrize("mode,marked", [
     # uniform decodes (a full pool hit computes one token) replay a full graph up to 8 tokens
     ("FULL_AND_PIECEWISE", {"full hit", "two full hits"}),
     ("FULL_DECODE_ONLY", {"full hit", "two full hits"}),
-    ("FULL", {"full hit", "two full hits", "mixed"}),  # mixed batches too, within the capture sizes
+    # mixed batches too, within the capture sizes
+    ("FULL", {"full hit", "two full hits", "mixed", "two-token hit"}),
     ("PIECEWISE", set()),  # the hooks run between the pieces: every step goes by layer
     ("NONE", set()),  # the CPU platform
 ])
 def test_marks_the_steps_vllm_replays_whole(platform_with_graphs, tmp_path, mode, marked):
     full_graph = FullGraphSteps(resolved(tmp_path, mode))
     assert {name for name, s in STEPS.items() if full_graph(s)} == marked
+    # A hit leaves two tokens where that step then runs piecewise (unmarked), else one.
+    assert full_graph.hit_step_tokens == (2 if mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY") else 1)
 
 
 def test_enforce_eager_marks_nothing(platform_with_graphs, tmp_path):
     full_graph = FullGraphSteps(resolved(tmp_path, "FULL_AND_PIECEWISE", eager=True))
-    assert not any(full_graph(s) for s in STEPS.values())
+    assert not any(full_graph(s) for s in STEPS.values()) and full_graph.hit_step_tokens == 1
 
 
 def test_speculative_decodes_are_uniform_decodes(platform_with_graphs, tmp_path):
     full_graph = FullGraphSteps(resolved(tmp_path, "FULL_AND_PIECEWISE", spec_tokens=2))
     assert full_graph(step(3, 3)) and full_graph(step(1)) and not full_graph(step(4, 3))
+    assert full_graph.hit_step_tokens == 1  # one token is no uniform decode here
