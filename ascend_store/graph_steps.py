@@ -15,14 +15,6 @@ dispatcher can pick a full graph for it:
 Marking a step vLLM then runs piecewise only loses that step's overlap; missing one
 vLLM replays makes the worker report its load failed (loads.py), so the rule errs
 towards marking.
-
-A full hit's first step would be such a uniform decode, and a full graph makes it wait
-for the whole load, then run its attention over the whole context with the few splits
-graphs are captured with: measured slower than the piecewise step at 32K (vLLM's own
-device-cache hit too: docs/benchmarks.md, eighteenth pass). Where mixed batches do not
-replay full graphs, a hit therefore leaves one more token than a decode to compute
-(``hit_step_tokens``): its step is no uniform decode, runs piecewise (or eagerly) and
-loads layer by layer; the decodes after it keep their full graphs.
 """
 
 from __future__ import annotations
@@ -38,9 +30,6 @@ class FullGraphSteps:
         self.mixed = full and mode.mixed_mode().has_full_cudagraphs()
         spec = vllm_config.speculative_config
         self.decode_tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-        # Tokens a pool hit leaves vLLM to compute (at least the prompt's last). With
-        # speculative decoding one token already differs from a uniform decode's count.
-        self.hit_step_tokens = 2 if self.max_tokens and not self.mixed and self.decode_tokens == 1 else 1
 
     def __call__(self, scheduler_output) -> bool:
         total = scheduler_output.total_num_scheduled_tokens

@@ -216,10 +216,8 @@ class PoolScheduler:
             state.load_failed = False
             return 0, False
         t0 = time.perf_counter()
-        # vLLM computes at least the last prompt token itself (a dense hit leaves two where
-        # that runs its step piecewise: graph_steps.py); a hybrid hit must also end on a chunk
-        # boundary, where the pool holds the state, and leaves one (two could cost a chunk).
-        keep = 1 if self.state_groups else self.full_graph.hit_step_tokens
+        # vLLM computes at least the last prompt token itself; a hybrid hit must also end
+        # on a chunk boundary, where the pool holds the state.
         limit = (len(prompt) - 1) // self.chunk if self.state_groups else len(state.hashes)
         hit = self._pool_hit_chunks(state.hashes, start, limit)
         self.counters["lookup_seconds"] += time.perf_counter() - t0
@@ -232,10 +230,10 @@ class PoolScheduler:
             if state.tail_hit is not None:
                 hit_tokens += state.tail_hit[1] * self.block_size
         state.tail_saved = state.tail_hit is not None
-        hit_tokens = min(hit_tokens, len(prompt) - keep)
+        hit_tokens = min(hit_tokens, len(prompt) - 1)
         # A producer stores the prompt's whole blocks (hybrid: its whole chunks, with their state).
         whole = limit * self.chunk if self.state_groups else len(prompt) // self.block_size * self.block_size
-        want = min(whole, len(prompt) - keep)
+        want = min(whole, len(prompt) - 1)
         if self.producer_wait.holds(request, max(hit_tokens, num_computed_tokens), want):
             if self.hit_cache is not None:  # the misses that ended the hit are asked again
                 tails = [TAIL_TAG + h for h in self._tails(state, hit)]
