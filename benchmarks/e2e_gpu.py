@@ -132,6 +132,7 @@ def child(spec: dict) -> None:
         if spec.get("cudagraph_mode"):  # e.g. PIECEWISE: vLLM's forward without full graphs
             kwargs["compilation_config"]["cudagraph_mode"] = spec["cudagraph_mode"]
     kwargs.update(conf.get("engine", {}))
+    kwargs.update(spec.get("engine_args") or {})
     if conf.get("kv"):
         kv = dict(conf["kv"])
         if kv.get("kv_connector") == "AscendStoreConnector":
@@ -485,6 +486,9 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true",
                     help="vLLM's CUDA graphs (its default; a connector may ask for PIECEWISE), not eager")
     ap.add_argument("--cudagraph-mode", help="with --graphs: vLLM's cudagraph_mode (default: its own)")
+    ap.add_argument("--engine-args", type=json.loads, default={}, metavar="JSON",
+                    help="more LLM() arguments for every configuration, e.g. "
+                         "'{\"attention_config\": {\"flash_attn_max_num_splits_for_cuda_graph\": 128}}'")
     ap.add_argument("--scrub", action="store_true",
                     help="overwrite the KV cache (a constant) after each prefix cache reset")
     ap.add_argument("--package", help="import ascend_store from this checkout (an A/B of the connector)")
@@ -521,7 +525,8 @@ def main() -> None:
                 "name": f"{geometry}-{name}",
                 "profile": args.profile and os.path.abspath(args.profile),
                 "trace": args.trace and os.path.join(tmp, "trace"), "graphs": args.graphs,
-                "scrub": args.scrub, "cudagraph_mode": args.cudagraph_mode}
+                "scrub": args.scrub, "cudagraph_mode": args.cudagraph_mode,
+                "engine_args": args.engine_args}
         path = [os.path.abspath(args.package or REPO), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, **CONFIGS[name].get("env", {}), **dict(e.split("=", 1) for e in args.env)}
         if args.trace:
