@@ -46,6 +46,7 @@ def test_fresh_engine_loads_from_standalone_pool(tmp_path, model, baseline, pool
         assert c["worker"]["loads_before_forward"] == 1 and c["worker"]["failed_blocks"] == 0
         assert_same_outputs(c["rounds"][0], baseline[2:])
 
+
 def test_repeat_prompt_within_one_engine_embedded_pool(tmp_path, model, baseline):
     socket = str(tmp_path / "auto" / "pool.sock")
     r = run_engine(tmp_path, model, [prompts(), prompts()], kv_config(socket))
