@@ -190,6 +190,7 @@ def child(spec: dict) -> None:
             out["concurrent"] = concurrent(llm, spec, conf, params)
         except Exception as exc:  # keep the single-request results if this vLLM differs
             out["concurrent_error"] = repr(exc)
+    out["reset_retries"] = RESETS["retries"]
     if spec.get("scrub") and kv_connector == "AscendStoreConnector":  # (--scrub allows the callable)
         out["worker_counters"] = llm.collective_rpc(worker_counters)[0]
     print("RESULT " + json.dumps(out), flush=True)
@@ -257,6 +258,9 @@ def worker_counters(worker) -> dict:
     return dict(get_kv_transfer_group().worker.counters.total) if has_kv_transfer_group() else {}
 
 
+RESETS = {"retries": 0}  # failed resets retried, in this engine's process
+
+
 def reset(llm, spec: dict, conf: dict) -> None:
     """Before a timed hit of a configuration that resets: drop vLLM's prefix cache and, with
     ``--scrub``, overwrite every KV cache tensor, so the hit's first token can come only
@@ -264,7 +268,15 @@ def reset(llm, spec: dict, conf: dict) -> None:
     would hide a forward that read before its load landed)."""
     if not conf.get("reset"):
         return
-    llm.reset_prefix_cache()
+    # A connector may free a finished request's blocks only once its save has landed, a few
+    # engine steps after generate() returns (LMCache's multi-process mode does so for every
+    # request). A reset then fails, and the next "hit" would be vLLM's own device hit.
+    deadline = time.monotonic() + 30
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError("vLLM's prefix cache would not reset for 30 s: blocks still held")
+        RESETS["retries"] += 1
+        time.sleep(0.02)
     if not spec.get("scrub"):
         return
     if not all(llm.collective_rpc(scrub_kv_caches)):

@@ -165,7 +165,7 @@ def main(job_path: str) -> None:
             prompts = [p + [o["token_ids"][0]] for p, o in zip(job["rounds"][i - 1], rounds[-1])]
             job["rounds"][i] = prompts
         if i and job.get("reset_between_rounds"):
-            llm.reset_prefix_cache()
+            assert llm.reset_prefix_cache(), "vLLM's prefix cache did not reset: blocks still held"
         if i and (job.get("reset_between_rounds") or not kwargs["enable_prefix_caching"]):
             # No block holds a token the engine may reuse: scrub them all.
             assert all(llm.collective_rpc(scrub_kv_caches)), "no KV cache tensor to scrub"
