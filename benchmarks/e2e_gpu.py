@@ -75,9 +75,8 @@ CONFIGS = {
                         "LMCACHE_MAX_LOCAL_CPU_SIZE": "20", "PYTHONHASHSEED": "0"}},
     # LMCache's multi-process mode: its in-process connector (lmcache) corrupts the KV of
     # vLLM >= 0.26's packed K/V cache layout (LMCache issue #4463), which reports this mode
-    # unaffected; with the cache scrubbed its hits still gave wrong first tokens here, with
-    # and without CUDA graphs (docs/benchmarks.md, seventeenth and eighteenth passes). The
-    # cache server runs beside the engine, on loopback (start_server).
+    # unaffected. It frees a request's blocks a few steps after the request ends, so reset()
+    # waits for them. The cache server runs beside the engine, on loopback (start_server).
     "lmcache-mp": {"engine": {"enable_prefix_caching": True}, "reset": True,
                    "kv": {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                           "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
