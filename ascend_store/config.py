@@ -290,6 +290,9 @@ class StoreConfig:
     # many before it); 0 queues every layer at the step's start, which measured best on
     # the H200 in 5 of 6 cases (docs/benchmarks.md).
     load_window: int = 0
+    # CUDA, dense models: vLLM's full graphs wait for each layer's load inside the graph
+    # (graph_waits.py); off until measured under vLLM (docs/benchmarks.md, nineteenth pass).
+    graph_layer_waits: bool = False
     # Whole mode (use_layerwise false): a pool hit loads off the step (vLLM's
     # WAITING_FOR_REMOTE_KVS); other requests keep decoding meanwhile (async_loads.py).
     async_load: bool = True
@@ -322,8 +325,9 @@ class StoreConfig:
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
             "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window",
-            "async_load", "async_load_share", "commit_before_reply", "consumer_wait_s", "save_decode_cache",
-            "head_slices", "layer_slices", "local", "mooncake", "memcache", "lookup_cache")
+            "graph_layer_waits", "async_load", "async_load_share", "commit_before_reply",
+            "consumer_wait_s", "save_decode_cache", "head_slices", "layer_slices", "local", "mooncake",
+            "memcache", "lookup_cache")
 
     @classmethod
     def parse(cls, raw: Any) -> "StoreConfig":
@@ -347,6 +351,7 @@ class StoreConfig:
             defer_state_copy=r.take("defer_state_copy", True, bool),
             copy_path=r.choice("copy_path", "auto", ("auto", "batched", "per_block")),
             load_window=r.take("load_window", 0, int),
+            graph_layer_waits=r.take("graph_layer_waits", False, bool),
             async_load=r.take("async_load", True, bool),
             async_load_share=r.positive("async_load_share", 0.33),
             commit_before_reply=r.take("commit_before_reply", True, bool),

@@ -116,6 +116,17 @@ class Device:
         ev.record(stream or self._mod.current_stream(self.device))
         return ev
 
+    def graph_event(self):
+        """A CUDA event that a graph captures a wait on as a node of its own (an external
+        event), recorded once so a capture may wait on it."""
+        ev = self._mod.Event(external=True)
+        ev.record(self.current())
+        return ev
+
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph."""
+        return self.type == "cuda" and self._mod.is_current_stream_capturing()
+
     def current(self):
         """The current stream (None on CPU); a caller that waits often keeps it."""
         return self._mod.current_stream(self.device) if self.is_accelerator else None

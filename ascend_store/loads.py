@@ -27,6 +27,7 @@ import torch
 from ascend_store import host_loads
 from ascend_store.backends import BackendUnavailable, Status
 from ascend_store.device_work import BatchLoad, LayerObjects, QueuedLoad, queue_window
+from ascend_store.graph_waits import GraphStep
 from ascend_store.metadata import ChunkLoad
 from ascend_store.segments import CopyPlanner, StepPages
 from ascend_store.transfer import (
@@ -75,6 +76,7 @@ class LoadJob:
         self.corrupt: set[int] = set()  # chunks whose objects are removed, so a recompute republishes them
         self.cancelled = False
         self.future: Future | None = None
+        self.graph: GraphStep | None = None  # a full graph's per-layer waits (graph_waits.py)
 
 
 class Loader:
@@ -86,10 +88,11 @@ class Loader:
         self._failed_chunks: set[str] = set()
         self._scratch = host_loads.Scratch(share)  # the load thread's buffer and pace (async_loads.py)
 
-    def start(self, loads: list[ChunkLoad], new_tokens: int = 0) -> LoadJob:
+    def start(self, loads: list[ChunkLoad], new_tokens: int = 0, graph: GraphStep | None = None) -> LoadJob:
         """``new_tokens``: tokens the step computes (it sets how far copies are queued ahead)."""
         # On accelerators the copies are queued on this thread: no layer waits for another.
         job = self.job = LoadJob(loads, self.ctx.order if self.ctx.device_path is None else [])
+        job.graph = graph
         job.window = queue_window(new_tokens, len(self.ctx.order), self.ctx.cfg.load_window)
         if self.ctx.device_path is not None:
             self._queue_device_load(job)
@@ -131,6 +134,8 @@ class Loader:
                                   "step the scheduler did not mark full_graph)")
         if self.ctx.device_path is not None:
             self._queue_upto(job, len(self.ctx.order))
+            if before_forward and job.graph is not None:
+                return  # the graph waits for each layer
             for event in {id(e): e for e in job.device_events.values()}.values():  # one per batch
                 self.ctx.device_path.dev.wait(event, self._compute(job))
 
@@ -330,6 +335,8 @@ class Loader:
                 job.queued.append((q, adm))
                 for objs in batch.layers:
                     job.device_events[objs.name] = q.done
+                if job.graph is not None:
+                    job.graph.queued([o.name for o in batch.layers], q.done, self.ctx.device_path.load_stream)
         except Exception as exc:
             job.next = len(job.todo)
             self._load_failed(job, exc)

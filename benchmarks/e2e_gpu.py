@@ -88,6 +88,8 @@ CONFIGS = {
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True}}},
     "ascend-layerwise-raw-w4": {"engine": {"enable_prefix_caching": True}, "reset": True,
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True, "load_window": 4}}},
+    "ascend-layerwise-raw-gw": {"engine": {"enable_prefix_caching": True}, "reset": True,
+        "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True, "graph_layer_waits": True}}},
     "ascend-whole-raw": {"engine": {"enable_prefix_caching": True}, "reset": True,
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": False}}},
     "ascend-layerwise-int8": {"engine": {"enable_prefix_caching": True}, "reset": True,

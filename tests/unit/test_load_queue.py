@@ -64,11 +64,13 @@ def test_a_long_step_queues_each_batch_from_the_wait_before_it(pool, monkeypatch
     worker.shutdown()
 
 
-def _worker_with_two_saved_chunks(pool):
+def _worker_with_two_saved_chunks(pool, device: str = "cpu", **extra):
     """A worker on the batched path whose pool holds two chunks saved from ``src``; loads go
     to ``dst``."""
     vllm_config, kv_cache_config, caches = engine_parts(LAYERS, 2, 64, BLOCK, 4 * CHUNK_BLOCKS + 1)
-    cfg = StoreConfig.parse({"copy_path": "batched", "local": {"socket": pool.socket, "start": "never"}})
+    caches = {n: c.to(device) for n, c in caches.items()}
+    cfg = StoreConfig.parse({"copy_path": "batched", "local": {"socket": pool.socket, "start": "never"},
+                             **extra})
     worker = PoolWorker(vllm_config, kv_cache_config, cfg, "kv_both")
     worker.register_kv_caches(caches)
     src = list(range(1, 2 * CHUNK_BLOCKS + 1))
