@@ -135,6 +135,7 @@ class Loader:
         if self.ctx.device_path is not None:
             self._queue_upto(job, len(self.ctx.order))
             if before_forward and job.graph is not None:
+                job.graph.close(self.ctx.device_path.load_stream)
                 return  # the graph waits for each layer
             for event in {id(e): e for e in job.device_events.values()}.values():  # one per batch
                 self.ctx.device_path.dev.wait(event, self._compute(job))
