@@ -290,17 +290,15 @@ class StoreConfig:
     # many before it); 0 queues every layer at the step's start, which measured best on
     # the H200 in 5 of 6 cases (docs/benchmarks.md).
     load_window: int = 0
-    # CUDA, dense models: vLLM's full graphs wait for each layer's load inside the graph
-    # (graph_waits.py); off until measured under vLLM (docs/benchmarks.md, nineteenth pass).
+    # CUDA, dense models: full graphs wait for each layer's load inside the graph
+    # (graph_waits.py); off until run under vLLM (docs/benchmarks.md, nineteenth pass).
     graph_layer_waits: bool = False
     # Whole mode (use_layerwise false): a pool hit loads off the step (vLLM's
     # WAITING_FOR_REMOTE_KVS); other requests keep decoding meanwhile (async_loads.py).
     async_load: bool = True
-    # The share of time the off-step load copies on the host path: it sleeps after each
-    # batch of pages, so the decoding requests' forward gets the memory bus the rest of
-    # the time (the copy slows it through memory bandwidth, no longer the GIL). 0.33 kept
-    # a decoding request's slowdown during a long hit nearest 1.5x, at the price of the
-    # hit's TTFT (docs/benchmarks.md, issue 14).
+    # The share of time the off-step host-path load copies (it sleeps between batches, so
+    # decoding requests get the memory bus): 0.33 kept their slowdown during a long hit
+    # nearest 1.5x, at the price of the hit's TTFT (docs/benchmarks.md, issue 14).
     async_load_share: float = 0.33
     # kv_producer: a step that completes a prompt waits for its saves' commit, so the reply
     # (which leaves after the step) never races the objects (docs/pd-disaggregation.md).
