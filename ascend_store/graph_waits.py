@@ -67,15 +67,15 @@ class GraphStep:
         self.waits = waits
         self.left = {name: len(ps) for name, ps in waits.parts.items()}
 
-    def queued(self, parts: list[str], done, stream) -> None:
-        """``parts`` are queued on ``stream``; their copies are done at ``done``."""
+    def queued(self, parts: list[str], stream) -> None:
+        """``parts``' copies are queued, and end on ``stream`` (the load stream, where
+        ``DevicePath.queue_batch`` records their ``done`` too)."""
         for p in parts:
             name = self.waits.of_part.get(p)
             if name is None:
                 continue
             self.left[name] -= 1
             if self.left[name] == 0:
-                self.waits.dev.wait(done, stream)
                 self.waits.events[name].record(stream)
 
     def close(self, stream) -> None:

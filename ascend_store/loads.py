@@ -337,7 +337,7 @@ class Loader:
                 for objs in batch.layers:
                     job.device_events[objs.name] = q.done
                 if job.graph is not None:
-                    job.graph.queued([o.name for o in batch.layers], q.done, self.ctx.device_path.load_stream)
+                    job.graph.queued([o.name for o in batch.layers], self.ctx.device_path.load_stream)
         except Exception as exc:
             job.next = len(job.todo)
             self._load_failed(job, exc)
