@@ -7,7 +7,7 @@ thread (moved off the forward's cores). The first step that
 finds a job finished reports its requests through ``get_finished`` and, in the same
 pass, the blocks of its failed chunks through ``get_block_ids_with_load_errors``, so
 vLLM recomputes from the first failed block. A job still running ``load_timeout_s`` after
-it started is cancelled: it stops before its next layer and all its blocks count as
+it started is cancelled: it stops before its next write and all its blocks count as
 failed, but its requests are reported only once its thread has let go of their blocks,
 since vLLM may give them to another request right after.
 

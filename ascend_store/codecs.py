@@ -25,6 +25,7 @@ class Codec(ABC):
     name: str
     cid: int
     fixed_size = True
+    lossy = False  # a round trip gives back other bytes (close values)
 
     @abstractmethod
     def payload_bytes(self, layout: LayerLayout, n: int) -> int:
@@ -99,6 +100,7 @@ def dequantize(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Ten
 
 class Int8Codec(Codec):
     name, cid = "int8", 1
+    lossy = True
 
     def check(self, layout):
         if not layout.tensor.dtype.is_floating_point or layout.tensor.element_size() < 2:

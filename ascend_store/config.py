@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
+
+# The local section lives beside the pool it configures; kept importable from here.
+from ascend_store.backends.local.pool_config import LocalPoolConfig, default_socket_path  # noqa: F401
 
 BACKENDS = ("local", "mooncake", "memcache")
 CODECS = ("raw", "int8", "zstd")
@@ -41,15 +43,6 @@ def parse_size(value: Any, key: str, allow_zero: bool = False) -> int:
     if size < 0 or (size == 0 and not allow_zero):
         raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else 'positive'}, got {value!r}")
     return size
-
-
-def default_socket_path() -> str:
-    """``$XDG_RUNTIME_DIR/ascend-store-<uid>/pool.sock``, else the same under the temp dir
-    (/tmp): a per-uid directory made 0700, which the client refuses when another user
-    created it first (backends/local/trust.py), so a squatter can deny the pool, never
-    serve it."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return os.path.join(base, f"ascend-store-{os.getuid()}", "pool.sock")
 
 
 def _codec(name: str) -> str:
@@ -106,47 +99,6 @@ class _Reader:
             bad = ", ".join(sorted(self.name(k) for k in self.raw))
             raise ConfigError(f"unknown key(s) {bad}; accepted keys"
                               f"{' in ' + self.section if self.section else ''}: {', '.join(accepted)}")
-
-
-@dataclass(frozen=True)
-class LocalPoolConfig:
-    socket: str = field(default_factory=default_socket_path)
-    capacity: int = 8 * 2**30
-    # "auto": start a pool inside the engine when none answers at ``socket``;
-    # "never": require a standalone pool (requests recompute while it is down).
-    start: str = "auto"
-    lease_ttl_s: float = 30.0
-    # A uid besides our own that may own the pool's socket, directory and arena (a
-    # standalone pool run by a service account); None: only our own.
-    trusted_uid: int | None = None
-    # The disk tier of a pool this engine starts: objects evicted from memory go to this
-    # directory (None: no disk tier), up to ``disk_capacity`` bytes.
-    disk_path: str | None = None
-    disk_capacity: int = 64 * 2**30
-
-    KEYS = ("socket", "capacity", "start", "lease_ttl_s", "trusted_uid", "disk_path", "disk_capacity")
-
-    @classmethod
-    def parse(cls, raw: Any) -> "LocalPoolConfig":
-        r = _Reader("local", raw)
-        socket = r.take("socket", None, str) or default_socket_path()
-        capacity = cls.capacity
-        if "capacity" in r.raw:
-            capacity = parse_size(r.raw.pop("capacity"), "local.capacity")
-        disk_capacity = cls.disk_capacity
-        if "disk_capacity" in r.raw:
-            disk_capacity = parse_size(r.raw.pop("disk_capacity"), "local.disk_capacity")
-        disk_path = r.take("disk_path", None, str)
-        cfg = cls(socket=os.path.abspath(socket), capacity=capacity,
-                  start=r.choice("start", "auto", ("auto", "never")),
-                  lease_ttl_s=r.positive("lease_ttl_s", 30.0),
-                  trusted_uid=r.take("trusted_uid", None, int),
-                  disk_path=os.path.abspath(disk_path) if disk_path else None,
-                  disk_capacity=disk_capacity)
-        if cfg.trusted_uid is not None and cfg.trusted_uid < 0:
-            raise ConfigError(f"local.trusted_uid: must be a uid >= 0, got {cfg.trusted_uid}")
-        r.finish(cls.KEYS)
-        return cfg
 
 
 @dataclass(frozen=True)
@@ -271,6 +223,8 @@ class StoreConfig:
     chunk_size: int | None = None
     # Bound on every backend call; a slower call counts as a failure (recompute).
     timeout_s: float = 5.0
+    # A lookup not answered this long after vLLM first asked counts as a miss (lookups.py).
+    lookup_timeout_s: float = 0.2
     # How long the forward waits for one layer's load before treating it as failed.
     load_timeout_s: float = 30.0
     verify_checksum: bool = True
@@ -321,7 +275,7 @@ class StoreConfig:
     memcache: MemcacheConfig = field(default_factory=MemcacheConfig)
     lookup_cache: LookupCacheConfig = field(default_factory=LookupCacheConfig)
 
-    KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "load_timeout_s",
+    KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "lookup_timeout_s", "load_timeout_s",
             "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window",
             "graph_layer_waits", "async_load", "async_load_share", "commit_before_reply",
             "consumer_wait_s", "save_decode_cache", "head_slices", "layer_slices", "local", "mooncake",
@@ -342,6 +296,7 @@ class StoreConfig:
             use_layerwise=r.take("use_layerwise", True, bool),
             chunk_size=chunk_size,
             timeout_s=r.positive("timeout_s", 5.0),
+            lookup_timeout_s=r.positive("lookup_timeout_s", 0.2),
             load_timeout_s=r.positive("load_timeout_s", 30.0),
             verify_checksum=r.take("verify_checksum", True, bool),
             codec=_codec(r.choice("codec", "raw", CODECS)),
@@ -393,9 +348,22 @@ class StoreConfig:
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 
-def check_transfer_config(kv_transfer_config: Any) -> StoreConfig:
-    """Validate the parts of vLLM's KVTransferConfig we depend on; return our config."""
+def check_transfer_config(kv_transfer_config: Any, device_type: str = "cpu") -> StoreConfig:
+    """Validate the parts of vLLM's KVTransferConfig we depend on; return our config.
+    ``device_type``: vLLM's device, which decides what ``copy_path: auto`` takes. Also says,
+    once, when the installed vLLM is outside the tested range: the connector runs this as
+    it is built, also where no EngineArgs (so no plugin check) came first."""
+    from ascend_store.plugin import warn_untested_vllm
+
+    warn_untested_vllm()
     role = kv_transfer_config.kv_role
     if role not in ROLES:
         raise ConfigError(f"kv_role: got {role!r}, accepted values: {', '.join(ROLES)}")
-    return StoreConfig.parse(kv_transfer_config.kv_connector_extra_config)
+    cfg = StoreConfig.parse(kv_transfer_config.kv_connector_extra_config)
+    # The batched path (never zstd's) checks loads after the forward: only a recompute undoes one.
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", "recompute")  # absent: vLLM recomputes
+    if role != "kv_producer" and policy != "recompute" and (cfg.copy_path == "batched" or (
+            cfg.copy_path == "auto" and device_type != "cpu" and cfg.codec != "zstd")):
+        raise ConfigError(f"kv_load_failure_policy: must be 'recompute' with copy_path {cfg.copy_path!r} on "
+                          f"{device_type} (loads are checked after the forward), got {policy!r}")
+    return cfg

@@ -37,7 +37,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
-        cfg = check_transfer_config(ktc)
+        cfg = check_transfer_config(ktc, str(vllm_config.device_config.device_type))
         if kv_cache_config is not None:
             group_kinds(kv_cache_config)
         self.scheduler = self.worker = None

@@ -15,10 +15,15 @@ zstd parts decode per object (``decode_layer``: their decoders are per-object te
 and the accelerator path covers int8 in bulk). Parts sealed with a CRC32 (by writers
 before host writers sealed word sums, or zstd) are checked one by one: rare, and CRC32
 has no batched form here.
+
+A load the forward gave up on (``load_timeout_s``) must not write a page once the step
+has reported its blocks failed: vLLM may recompute into them, or give them to another
+request, at once. Every write goes through the job's ``WriteGate``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -52,6 +57,37 @@ class LayerFaults:
 
     entries: np.ndarray
     why: list[str]
+
+
+class GivenUp(Exception):
+    """The step gave the load up: its thread writes no more pages."""
+
+
+class WriteGate:
+    """A load thread's writes into the KV cache, against the step giving the load up.
+
+    Each write (one batch's scatter, one int8 or zstd object's decode) runs inside ``with
+    gate:``, under the lock and only while the load is live. Giving up only sets
+    ``given_up``, so the forward's thread never waits for the load thread there; ``fence``,
+    before the step reports the load's blocks, returns once the write under way (at most
+    one batch, ``BATCH_BYTES``) is done, and none starts after it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.given_up = False
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        if self.given_up:
+            self._lock.release()
+            raise GivenUp
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    def fence(self) -> None:
+        with self._lock:
+            pass
 
 
 def words_of(arena: torch.Tensor) -> torch.Tensor | None:
@@ -90,10 +126,11 @@ class Scratch:
 
 def load_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, pages: StepPages,
                starts: np.ndarray, headers: np.ndarray, live: np.ndarray, verify: bool,
-               scratch: Scratch) -> LayerFaults:
+               scratch: Scratch, gate: WriteGate) -> LayerFaults:
     """Copy one layer's parts into ``layout``'s cache. ``starts``: per entry, its part's
     arena offset (header included); ``headers``: per entry, that part's header; ``live``:
-    the entries still to load. Pages of entries that fail their checksum are not written.
+    the entries still to load. Pages of entries that fail their checksum are not written;
+    no page is once ``gate`` is given up (``GivenUp`` is raised instead).
     The pages go in batches of whole entries of up to about BATCH_BYTES (one per layer
     unless the layer's hit is larger)."""
     pw = layout.page_bytes // WORD
@@ -127,10 +164,13 @@ def load_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, page
             _check_words(rows, obj[at:end], page[at:end], pw, headers, wsum, bad, why)
         moved = (block[at:end] >= 0) & ~bad[obj[at:end]]
         if moved.all():
-            scatter_pages(layout, _as_pages(rows, layout), block[at:end])
+            with gate:
+                scatter_pages(layout, _as_pages(rows, layout), block[at:end])
         elif moved.any():
             keep = torch.from_numpy(np.flatnonzero(moved))
-            scatter_pages(layout, _as_pages(rows.index_select(0, keep), layout), block[at:end][moved])
+            rows = rows.index_select(0, keep)
+            with gate:
+                scatter_pages(layout, _as_pages(rows, layout), block[at:end][moved])
         at = end
         scratch.rest(t0)
     failed = np.flatnonzero(bad)
@@ -138,18 +178,19 @@ def load_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, page
 
 
 def copy_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, adm, i: int, name: str,
-               starts: np.ndarray, failed: set[int], verify: bool, scratch: Scratch) -> list[tuple[int, str]]:
+               starts: np.ndarray, failed: set[int], verify: bool, scratch: Scratch,
+               gate: WriteGate) -> list[tuple[int, str]]:
     """Layer ``i`` (``name``) of a group's admitted entries (``loads.Admitted``) by
     ``load_layer``; returns (load index, why) for each entry whose part failed."""
     live = ~np.isin(adm.entries, np.fromiter(failed, dtype=np.int64, count=len(failed)))
     faults = load_layer(words, arena, layout, adm.planner.pages, starts, adm.headers[i, adm.obj], live,
-                        verify, scratch)
+                        verify, scratch, gate)
     return [(int(adm.entries[e]), f"{adm.step.keys[adm.obj[e]]} layer {name}: {why}")
             for e, why in zip(faults.entries.tolist(), faults.why)]
 
 
 def decode_layer(arena: torch.Tensor, layout: LayerLayout, codec, adm, i: int, name: str, loads: list,
-                 failed: set[int], verify: bool) -> list[tuple[int, str]]:
+                 failed: set[int], verify: bool, gate: WriteGate) -> list[tuple[int, str]]:
     """Object by object: int8 and zstd parts (per-object decoders) and unaligned raw ones.
     Returns (load index, why) for each entry whose part failed."""
     host = arena.numpy()
@@ -169,8 +210,9 @@ def decode_layer(arena: torch.Tensor, layout: LayerLayout, codec, adm, i: int, n
             if verify and not checked[k]:
                 raise CorruptObject(f"{label}: checksum mismatch")
             ld = loads[j]
-            decode_object(arena[off:off + HEADER_BYTES + n], n, layout, ld.block_ids, ld.skip, label,
-                          ld.object_blocks, codec)
+            with gate:
+                decode_object(arena[off:off + HEADER_BYTES + n], n, layout, ld.block_ids, ld.skip, label,
+                              ld.object_blocks, codec)
         except CorruptObject as exc:
             bad.append((j, str(exc)))
     return bad

@@ -1,5 +1,8 @@
 """Pool keys: a namespace from the model identity plus chained hashes of token ids.
 
+The model is named by content, not path (fingerprint.py): its effective config and a
+fingerprint of its weights, so a checkpoint changed in place misses and a copy hits.
+
 vLLM's own block hashes are seeded per process unless PYTHONHASHSEED is set, so two
 instances would never agree on them. We hash token ids ourselves with BLAKE2b: chunk
 i's hash covers chunk i's tokens and the hash of chunk i-1, so one key names a whole
@@ -26,12 +29,12 @@ from __future__ import annotations
 import array
 import hashlib
 import json
-import os
 import re
 import sys
 from dataclasses import asdict, dataclass
 
 from ascend_store.config import ConfigError
+from ascend_store.fingerprint import model_fingerprint, normalize_model_name
 from ascend_store.parallel import Sharding, sharding
 
 FORMAT_VERSION = 1
@@ -45,8 +48,8 @@ ENGINE_SCALED_KV_DTYPE = "int8"  # the INT8 KV cache plugin's --kv-cache-dtype (
 class ModelIdentity:
     """Everything that changes the bytes of a KV block for the same tokens."""
 
-    model: str
-    revision: str
+    model_config: str  # fingerprint.py: the effective HF config's digest
+    weights: str  # and the weights' (content samples, or what stands for them)
     dtype: str
     kv_cache_dtype: str
     block_size: int
@@ -63,14 +66,6 @@ class ModelIdentity:
     def namespace(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return hashlib.blake2b(blob, digest_size=8).hexdigest()
-
-
-def normalize_model_name(model: str) -> str:
-    """A local directory is named by its absolute path (a trailing slash or a relative
-    spelling does not matter); a hub id such as ``org/name`` stays as it is."""
-    if model.startswith((os.sep, ".")) or os.path.isdir(model):
-        return os.path.normpath(os.path.abspath(model))
-    return model.rstrip("/")
 
 
 def identity_from_vllm(vllm_config, chunk_size: int, codec: str = "raw",
@@ -92,9 +87,10 @@ def identity_from_vllm(vllm_config, chunk_size: int, codec: str = "raw",
             "quantizes with scales each engine computes from its first prefill, so pool objects could not "
             "be shared between engines; use an unquantized or statically scaled KV cache, or run without the "
             "connector (docs/ascend.md)")
+    fp = model_fingerprint(vllm_config)
     return ModelIdentity(
-        model=normalize_model_name(str(mc.model)),
-        revision=str(mc.revision or ""),
+        model_config=fp.config,
+        weights=fp.weights,
         dtype=str(mc.dtype).removeprefix("torch."),
         kv_cache_dtype=str(cc.cache_dtype),
         block_size=int(cc.block_size),

@@ -8,9 +8,11 @@ are queued on side streams from the forward's own thread, in batches of layers
 batch from the ``wait`` of the layer before it; ``wait`` makes the compute stream wait on
 the event of that layer's batch, and no thread hands anything over while the forward
 runs (it would take the GIL from it). On CPU a background
-thread copies layer by layer, and ``wait`` waits for its layer. Missing or corrupt
-objects mark their chunk failed; ``errors`` reports their blocks and vLLM recomputes
-them. No failure in a load ever propagates into the forward.
+thread copies layer by layer, and ``wait`` waits for its layer, at most ``load_timeout_s``:
+then the load is given up and its thread stops before its next write (host_loads.py).
+Missing or corrupt objects mark their chunk failed; ``errors`` reports their blocks (a
+given-up load's once no write of it is under way) and vLLM recomputes them. No failure
+in a load ever propagates into the forward.
 """
 
 from __future__ import annotations
@@ -74,9 +76,13 @@ class LoadJob:
         self.leased: list[str] = []
         self.failed: set[int] = set()  # indexes into loads
         self.corrupt: set[int] = set()  # chunks whose objects are removed, so a recompute republishes them
-        self.cancelled = False
+        self.gate = host_loads.WriteGate()  # the host path's writes into the cache
         self.future: Future | None = None
         self.graph: GraphStep | None = None  # a full graph's per-layer waits (graph_waits.py)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.gate.given_up
 
 
 class Loader:
@@ -108,7 +114,7 @@ class Loader:
             return
         job.waited = True
         ev = job.events.get(layer_name)
-        if ev is not None and not ev.wait(self.ctx.cfg.load_timeout_s):
+        if ev is not None and not job.cancelled and not ev.wait(self.ctx.cfg.load_timeout_s):
             self.abandon(job, f"layer {layer_name} not loaded within {self.ctx.cfg.load_timeout_s}s")
         if self.ctx.device_path is not None:  # the compute stream waits; the host does not
             self._queue_upto(job, self.ctx.rank.get(layer_name, -1) + 1 + job.window)
@@ -121,7 +127,8 @@ class Loader:
         """Every layer of ``job`` landed, or is awaited by the compute stream (by the
         forward's, ``before_forward``: so the forward waited for every layer)."""
         job.waited |= before_forward
-        if job.future is not None and wait([job.future], timeout=self.ctx.cfg.load_timeout_s).not_done:
+        if job.future is not None and not job.cancelled and \
+                wait([job.future], timeout=self.ctx.cfg.load_timeout_s).not_done:
             self.abandon(job, "load job did not finish")
         if self.in_step and self.ctx.cfg.use_layerwise and not job.cancelled:
             # A layer the forward never waited for read its blocks before they landed: every
@@ -152,8 +159,11 @@ class Loader:
         return set() if job is None else self.collect(job)
 
     def collect(self, job: LoadJob) -> set[int]:
-        """``job``'s failed blocks, once it is finished (its failed chunks are noted)."""
+        """``job``'s failed blocks, once it is finished or given up and no write of it is
+        under way (its failed chunks are noted)."""
         self.finish(job)
+        if job.cancelled:
+            job.gate.fence()
         if self.ctx.device_path is not None:
             self._check_device_load(job)
         bad = {b for j in job.failed for b in job.loads[j].block_ids}
@@ -272,14 +282,18 @@ class Loader:
                     starts = adm.parts[i, adm.obj]
                     if words is not None and host_loads.batched(ctx.layouts[name], ctx.codecs[name], starts):
                         bad = host_loads.copy_layer(words, host, ctx.layouts[name], adm, i, name, starts,
-                                                    job.failed, ctx.cfg.verify_checksum, self._scratch)
+                                                    job.failed, ctx.cfg.verify_checksum, self._scratch,
+                                                    job.gate)
                     else:
                         bad = host_loads.decode_layer(arena, ctx.layouts[name], ctx.codecs[name], adm, i,
-                                                      name, job.loads, job.failed, ctx.cfg.verify_checksum)
+                                                      name, job.loads, job.failed, ctx.cfg.verify_checksum,
+                                                      job.gate)
                         self._scratch.rest(t_layer)
                     for j, why in bad:
                         self._rejected(job, j, CorruptObject(why))
                 job.events[name].set()
+        except host_loads.GivenUp:
+            pass  # every block of it is failed already
         except Exception as exc:  # the pool is an optimization: never fail the forward
             self._load_failed(job, exc)
         finally:
@@ -375,8 +389,8 @@ class Loader:
     def abandon(self, job: LoadJob, why: str) -> None:
         log.warning("KV pool load abandoned (%s); recomputing", why)
         self.ctx.counters["load_timeouts"] += 1
-        job.cancelled = True
         job.failed.update(range(len(job.loads)))
+        job.gate.given_up = True
 
     def _keys(self, job: LoadJob, j: int) -> list[str]:
         """Every object of load ``j``'s chunk on this rank (one per shard it holds)."""

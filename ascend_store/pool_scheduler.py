@@ -2,7 +2,7 @@
 
 Per request we hash the prompt into chained chunk keys once, ask the pool which
 leading chunks it holds (one key per chunk, KV cache group and TP shard: a chunk object
-holds every layer), and plan:
+holds every layer; asked off the engine's thread, one call per step: lookups.py), and plan:
 - loads: the chunks past vLLM's own device-cache hit, in the step the request is
   scheduled;
 - saves: each full prompt chunk in the step that finishes computing it, unless the
@@ -22,11 +22,10 @@ chain goes on over the generated tokens (decode_saves.py).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 from ascend_store import kv_events, seams
-from ascend_store.backends import BackendUnavailable, create_backend
+from ascend_store.backends import create_backend
 from ascend_store.compaction import CompactionPlans, is_compacted
 from ascend_store.config import StoreConfig
 from ascend_store.decode_saves import DecodeChain
@@ -41,14 +40,13 @@ from ascend_store.keys import (
     request_extras,
 )
 from ascend_store.layers import ATTN, STATE, group_kinds
+from ascend_store.lookups import STATE_TAG, TAIL_TAG, LookupState, PoolLookups
 from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata, WorkerReport
 from ascend_store.parallel import sharding
 from ascend_store.pd_wait import ProducerWait
 from ascend_store.stats import AscendStoreStats, IntervalCounters
 
 log = logging.getLogger("ascend_store")
-STATE_TAG = "state/"  # hit-cache entries for a chunk's recurrent state (hybrid models)
-TAIL_TAG = "tail/"  # hit-cache entries for a prompt's partial last chunk
 
 
 @dataclass
@@ -67,6 +65,7 @@ class _Request:
     load_failed: bool = False  # its async load failed: recompute, do not ask the pool again
     extras: KeyExtras | None = None  # what names the request's KV besides its tokens
     compacted: bool = False  # the TriAttention plugin planned to compact its KV
+    lookup: LookupState = field(default_factory=LookupState)  # its pool lookup, across steps
 
 
 class PoolScheduler:
@@ -90,7 +89,9 @@ class PoolScheduler:
         self.state_groups = [g for g, kind in enumerate(self.kinds) if kind == STATE]
         if len(self.kinds) > 1:  # vLLM cannot map block-level load failures itself
             seams.install_failed_load_preemption()
-        self.backend = create_backend(cfg, role="scheduler") if self.can_load else None
+        # A producer's scheduler asks the pool only to report its objects as KV events.
+        self.backend = create_backend(cfg, role="scheduler") \
+            if self.can_load or kv_events.enabled(vllm_config) else None
         lc = cfg.lookup_cache
         self.hit_cache = BlockHitCache(lc.ttl_s, lc.max_entries) if lc.enabled and self.can_load else None
         self._reqs: dict[str, _Request] = {}
@@ -105,70 +106,16 @@ class PoolScheduler:
         self.decode_chain = DecodeChain(self.chunk, self.counters) \
             if cfg.save_decode_cache and self.can_save and not self.state_groups else None
         self.producer_wait = ProducerWait(cfg.consumer_wait_s, self.counters)  # pd_wait.py
-        # The pool's tier events as vLLM KV events (kv_events.py): one pool call per step, when on.
-        self.kv_events = kv_events.KVEventFeed(self.backend, self.keyspaces[0], self.chunk) \
+        # Saved objects as vLLM KV events (kv_events.py): one pool call per step, when on.
+        self.kv_events = kv_events.KVEventFeed(self.backend, self.keyspaces, self.attn_groups,
+                                               self.block_size, kv_cache_config) \
             if self.backend is not None and kv_events.enabled(vllm_config) else None
+        # Lookups answered off the engine's thread, one pool call per step (lookups.py).
+        self.lookups = PoolLookups(self.backend, self.keyspaces, self.attn_groups, self.state_groups,
+                                   self.hit_cache, self.counters, cfg.lookup_timeout_s, self.kv_events) \
+            if self.backend is not None else None
 
     # -- lookup ---------------------------------------------------------------
-    def _pool_hit_chunks(self, hashes: list[str], start: int, limit: int) -> int:
-        """Number of leading chunks (from 0, at most ``limit``) the pool can serve, checking
-        from ``start``: every attention layer holds chunks 0..c-1 and, for hybrid models,
-        every state layer holds the state at the end of chunk c-1.
-
-        Cached answers are used first (a cached attention miss ends the prefix, so nothing
-        past it is asked); the rest goes to the pool in one batch and is cached."""
-        self.counters["lookups"] += 1
-        cache = self.hit_cache
-        tags = [("", self.attn_groups)] + ([(STATE_TAG, self.state_groups)] if self.state_groups else [])
-        known: dict[tuple[str, int], bool] = {}
-        end = len(hashes)
-        if cache is not None:
-            cache.observe(self.backend.generation())
-            for c in range(start, end):
-                for tag, _ in tags:
-                    hit = cache.get(tag + hashes[c])
-                    if hit is not None:
-                        known[(tag, c)] = hit
-                if known.get(("", c)) is False:
-                    end = c
-                    break
-        ask = [(tag, c) for c in range(start, end) for tag, _ in tags if (tag, c) not in known]
-        if ask:
-            layers_of = dict(tags)
-            found = self._exists([(tag + hashes[c], hashes[c], layers_of[tag]) for tag, c in ask])
-            if found is None:
-                return start
-            known.update(zip(ask, found))
-        prefix = start
-        while prefix < end and known[("", prefix)]:
-            prefix += 1
-        prefix = min(prefix, limit)
-        if not self.state_groups:
-            return max(prefix, start)
-        return next((c + 1 for c in range(prefix - 1, start - 1, -1) if known[(STATE_TAG, c)]), start)
-
-    def _exists(self, items: list[tuple[str, str, list]]) -> list[bool] | None:
-        """One pool call for ``items`` (hit-cache entry, chunk hash, groups):
-        whether every shard's object of each is there, cached; None (counted) when the pool
-        cannot answer."""
-        keys = [ks.key(g, h) for _, h, groups in items for ks in self.keyspaces for g in groups]
-        self.counters["lookup_rpcs"] += 1
-        try:
-            found = self.backend.exists(keys)
-        except BackendUnavailable:
-            self.counters["lookup_errors"] += 1
-            return None
-        out, i = [], 0
-        for _, _, groups in items:
-            n = len(self.keyspaces) * len(groups)
-            out.append(all(found[i:i + n]))
-            i += n
-        if self.hit_cache is not None:
-            self.hit_cache.observe(self.backend.generation())
-            for (entry, _, _), hit in zip(items, out):
-                self.hit_cache.put(entry, hit)
-        return out
-
     def _tails(self, state: _Request, c: int) -> list[str]:
         """Hashes of chunk ``c`` cut after 1, 2, ... whole blocks of the prompt. None for
         prompt embeddings (they name only whole chunks)."""
@@ -176,25 +123,6 @@ class PoolScheduler:
             return []
         return partial_hashes(state.request.prompt_token_ids or [], self.chunk, self.block_size,
                               state.hashes[c - 1] if c else None, c * self.chunk, state.extras)
-
-    def _tail_hit(self, state: _Request, hit: int) -> tuple[str, int] | None:
-        """The longest partial object (whole blocks past chunk ``hit``) the pool holds for
-        this prompt, when the full-chunk hit ends at ``hit``. One call for every length."""
-        tails = self._tails(state, hit)
-        if not tails:
-            return None
-        cache = self.hit_cache
-        known = {h: cache.get(TAIL_TAG + h) for h in tails} if cache is not None else {}
-        ask = [h for h in tails if known.get(h) is None]
-        if ask:
-            found = self._exists([(TAIL_TAG + h, h, self.attn_groups) for h in ask])
-            if found is None:
-                return None
-            known.update(zip(ask, found))
-        for k in range(len(tails), 0, -1):
-            if known[tails[k - 1]]:
-                return tails[k - 1], k
-        return None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.producer_wait.too_soon(request.request_id):
@@ -215,20 +143,19 @@ class PoolScheduler:
         if state.load_failed:  # vLLM freed what the failed load held and asks again
             state.load_failed = False
             return 0, False
-        t0 = time.perf_counter()
         # vLLM computes at least the last prompt token itself; a hybrid hit must also end
         # on a chunk boundary, where the pool holds the state.
         limit = (len(prompt) - 1) // self.chunk if self.state_groups else len(state.hashes)
-        hit = self._pool_hit_chunks(state.hashes, start, limit)
-        self.counters["lookup_seconds"] += time.perf_counter() - t0
+        found = self.lookups.lookup(state.lookup, state.hashes, start, limit, lambda c: self._tails(state, c))
+        if found is None:
+            return None, False  # asked on the lookup thread: vLLM asks again next step
+        hit = found.chunks
         state.saved_chunks = max(start, hit)
         state.pool_hit = hit
         hit_tokens = hit * self.chunk
-        state.tail_hit = None
-        if not self.state_groups:
-            state.tail_hit = self._tail_hit(state, hit)
-            if state.tail_hit is not None:
-                hit_tokens += state.tail_hit[1] * self.block_size
+        state.tail_hit = found.tail
+        if state.tail_hit is not None:
+            hit_tokens += state.tail_hit[1] * self.block_size
         state.tail_saved = state.tail_hit is not None
         hit_tokens = min(hit_tokens, len(prompt) - 1)
         # A producer stores the prompt's whole blocks (hybrid: its whole chunks, with their state).
@@ -278,6 +205,9 @@ class PoolScheduler:
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
         meta = StepMetadata(new_tokens=scheduler_output.total_num_scheduled_tokens,
                             full_graph=self.full_graph(scheduler_output))
+        if self.lookups is not None:  # the step's lookups go to the pool now, in one call
+            self.counters["max_lookup_rpcs_per_step"] = max(self.counters["max_lookup_rpcs_per_step"],
+                                                            self.lookups.flush())
         for req_id in self.compaction.planned(scheduler_output) & self._reqs.keys():
             self._reqs[req_id].compacted = True
         for rid in self._async_ready:
@@ -342,6 +272,9 @@ class PoolScheduler:
                 if block:  # 0 is vLLM's null block: no state kept there
                     meta.saves.append(ChunkSave(req_id, g, state.hashes[done - 1], [block]))
                     saved.append(STATE_TAG + state.hashes[done - 1])
+        if self.kv_events is not None and done > state.saved_chunks:  # in vLLM's block hashes
+            self.kv_events.planned(state.request, [(state.hashes[c], c * self.chunk, (c + 1) * self.chunk)
+                                                   for c in range(state.saved_chunks, done)])
         tail = self._plan_tail(req_id, state, computed_after_step, meta)
         if self.hit_cache is not None:  # a cached miss must not hide what we now save
             self.hit_cache.invalidate(state.hashes[state.saved_chunks:done] + saved
@@ -368,6 +301,8 @@ class PoolScheduler:
         first = done * self.blocks_per_chunk
         for g, kind in enumerate(self.kinds):
             meta.saves.append(ChunkSave(req_id, g, tail, state.block_ids[g][first:first + n]))
+        if self.kv_events is not None:
+            self.kv_events.planned(state.request, [(tail, done * self.chunk, (first + n) * self.block_size)])
         return tail
 
     def update_connector_output(self, connector_output) -> None:
@@ -377,15 +312,21 @@ class PoolScheduler:
             if state is not None:  # a failed load's objects may still exist: no retry loop
                 state.load_failed, state.async_blocks = bool(state.async_blocks & invalid), set()
         report = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(report, WorkerReport) and self.hit_cache is not None:
-            failed = report.failed_chunks
+        if not isinstance(report, WorkerReport):
+            return
+        failed = report.failed_chunks
+        if self.hit_cache is not None:
             self.hit_cache.invalidate(failed + [tag + h for tag in (STATE_TAG, TAIL_TAG) for h in failed])
+        if self.kv_events is not None:  # a store without an event log: are they gone?
+            self.kv_events.failed(failed)
 
     def take_events(self) -> list:
         return self.kv_events.take() if self.kv_events is not None else []
 
     def request_finished(self, request) -> tuple[bool, None]:
-        self._reqs.pop(request.request_id, None)
+        state = self._reqs.pop(request.request_id, None)
+        if state is not None and self.lookups is not None:
+            self.lookups.forget(state.lookup)
         self.producer_wait.forget(request.request_id)
         return False, None
 
@@ -396,5 +337,7 @@ class PoolScheduler:
         return AscendStoreStats(self.counters.take())
 
     def shutdown(self) -> None:
+        if self.lookups is not None:
+            self.lookups.close()
         if self.backend is not None:
             self.backend.close()

@@ -13,12 +13,11 @@ decodes: a full pool hit computes one token), whose replay calls no per-layer ho
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 
 import torch
 
-from ascend_store import seams
+from ascend_store import seams, selftest
 from ascend_store.async_loads import AsyncLoads
 from ascend_store.backends import BackendUnavailable, create_backend
 from ascend_store.codecs import get_codec
@@ -33,7 +32,7 @@ from ascend_store.loads import Loader
 from ascend_store.metadata import StepMetadata, WorkerReport
 from ascend_store.parallel import head_slices, sharding
 from ascend_store.saves import Saver
-from ascend_store.stats import AscendStoreStats, IntervalCounters
+from ascend_store.stats import AscendStoreStats, IntervalCounters, PoolOccupancy, StepCalls
 from ascend_store.transfer import LayerLayout
 from ascend_store.worker_context import GroupFormat, WorkerContext
 
@@ -108,7 +107,8 @@ class PoolWorker:
         self._begun: StepMetadata | None = None  # the step whose loads started
         self._waited: set[str] = set()
         self.load_step_layers: deque[int] = deque(maxlen=4096)  # layers that waited, per loading step
-        self._pool_stats_at = 0.0
+        self.occupancy = PoolOccupancy(self.backend, self.counters)  # pool gauges, off the engine's thread
+        self.step_calls = StepCalls(self.counters)
         self.step_hooks: deque[tuple[int, int]] = deque(maxlen=4096)  # (waits, saves) per step
         self._waits = self._saves = 0
         self._rpcs_seen = 0
@@ -185,6 +185,7 @@ class PoolWorker:
             self.graph_waits = GraphWaits.of(ctx.device_path.dev, {
                 n: [p for p in self.parts.get(n, (n,)) if p in ctx.rank] for n in kv_caches})
         log.info("ascend-store: copy path %s on %s", "batched" if ctx.device_path else "per_block", device)
+        ctx.backend = selftest.checked_pool(ctx, self.num_blocks)  # no pool if a block comes back wrong
 
     def _parts(self, name: str, tensor) -> list[tuple[str, torch.Tensor, tuple | None]]:
         """(part, tensor, KV dims) of a layer. vLLM hands one tensor per layer; vllm-ascend a
@@ -369,21 +370,13 @@ class PoolWorker:
         rpcs = self.backend.rpcs
         self.counters["max_rpcs_per_step"] = max(self.counters["max_rpcs_per_step"], rpcs - self._rpcs_seen)
         self._rpcs_seen = rpcs
+        self.step_calls.end_step(self.backend.calls)
         # commit_now: the reply leaves after this step, so its objects are published first.
         self.saver.end_step(meta.saves if meta is not None else None, whole=not self.by_layer(meta),
                             publish=meta is not None and meta.commit_now)
 
     def stats(self) -> AscendStoreStats:
-        now = time.monotonic()
-        if now - self._pool_stats_at >= 5.0:  # pool occupancy: one call every 5 s at most
-            self._pool_stats_at = now
-            try:
-                s = self.backend.stats()
-                self.counters["pool_used_bytes"] = s["used_bytes"]
-                self.counters["pool_capacity_bytes"] = s["capacity"]
-                self.counters["pool_evictions"] = s["evictions"]
-            except BackendUnavailable:
-                pass
+        self.occupancy.poll()
         self.counters["rpcs"] = self.backend.rpcs
         return AscendStoreStats(self.counters.take())
 
@@ -391,6 +384,7 @@ class PoolWorker:
         self.saver.shutdown()
         self.loader.shutdown()
         self.async_loads.shutdown()
+        self.occupancy.close()
         self.ctx.drop_arena()
         if self.ctx.device_path is not None:
             self.ctx.device_path.close()

@@ -81,6 +81,7 @@ class Saver:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-save")
         self._job: SaveJob | None = None  # this step's
         self._draining: SaveJob | None = None  # a finished step's, when deferred
+        self._stuck: Future | None = None  # the reserve of a job dropped for want of an answer
 
     def save_layer(self, layer_name: str, saves: list[ChunkSave] | None) -> None:
         """Queue the save of ``layer_name``'s part of this step's chunks (it just wrote them)."""
@@ -94,6 +95,8 @@ class Saver:
         ``publish`` for the commit too, now."""
         job, self._job = self._step_job(saves), None
         if job is None:
+            if saves and self._unanswered():
+                self.ctx.counters["save_skipped_unanswered"] += 1
             return
         if whole:
             after = self._now()
@@ -123,8 +126,13 @@ class Saver:
         dp = self.ctx.device_path
         return dp.dev.record() if dp is not None else None
 
+    def _unanswered(self) -> bool:
+        """Whether a dropped job's reserve is still waiting for the pool (then the steps
+        save nothing: their reserves would queue behind it, and each step would wait)."""
+        return self._stuck is not None and not self._stuck.done()
+
     def _step_job(self, saves: list[ChunkSave] | None) -> SaveJob | None:
-        if self._job is None and saves:
+        if self._job is None and saves and not self._unanswered():
             self._job = SaveJob(saves)
             self._job.futures.append(self._thread.submit(self._run_reserve, self._job))
         return self._job
@@ -141,7 +149,15 @@ class Saver:
     def _finish(self, job: SaveJob, committed: bool = False) -> None:
         """Return once the job's copies no longer read its blocks (``committed``: once its
         objects are published). On an accelerator the copies need only be queued: the
-        compute stream waits for them on the device, the host does not."""
+        compute stream waits for them on the device, the host does not. A job whose
+        reserve the pool has not answered within ``lookup_timeout_s`` is dropped: its copies
+        have not started (they follow the reserve on the save thread) and will not, and its
+        commit gives the reservations back."""
+        if not committed and wait(job.futures[:1], timeout=self.ctx.cfg.lookup_timeout_s).not_done:
+            job.cancelled = True
+            self._stuck = job.futures[0]
+            self.ctx.counters["save_skipped_unanswered"] += 1
+            return
         futures = job.futures + [job.commit] if committed else job.futures
         if wait(futures, timeout=self.ctx.cfg.load_timeout_s).not_done:
             # Stop the copies before vLLM reuses the blocks; unpublished objects expire.
@@ -282,9 +298,15 @@ class Saver:
             r.written[k] = len(st.fmt.layers)
 
     def _run_commit(self, job: SaveJob) -> None:
-        if job.cancelled:
-            return
         ctx = self.ctx
+        if job.cancelled:  # dropped: give back what the reserve got (nothing else would)
+            held = [r.step.keys[k] for r in job.groups.values()
+                    for k in np.flatnonzero(r.offsets >= 0).tolist()]
+            try:
+                ctx.backend.abort(held)
+            except BackendUnavailable:
+                pass  # the pool reclaims a reservation at its deadline
+            return
         try:
             if job.device_saves:
                 self._seal_device_saves(job)

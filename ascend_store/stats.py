@@ -8,7 +8,9 @@ hands the payload to the log line and to ``AscendStorePromMetrics``.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,15 +19,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from ascend_store.backends.base import Status
+
+# Why a save left objects out: the pool's answer to their reserve (saves.py counts each but OK).
+_NOT_RESERVED = {Status.EXISTS: " (already stored)", Status.INVALID: " (a malformed key or size)",
+                 Status.NO_SPACE: " (nothing evictable frees enough room)"}
 # Summed across reports and exported as Prometheus counters (name -> help text).
 COUNTERS = {
     "lookups": "prefix lookups",
     "lookup_rpcs": "lookups that called the pool",
     "lookup_errors": "lookups that failed (pool unavailable)",
+    "lookup_timeouts": "requests whose lookup was not answered within lookup_timeout_s (misses)",
+    "lookups_skipped": "requests that missed without asking: the pool was known to be down",
     "hit_tokens": "prompt tokens found in the pool beyond the device cache",
     "queried_tokens": "prompt tokens looked up",
     "producer_waits": "prefilled requests that waited for the producer's objects (consumer_wait_s)",
     "producer_wait_timeouts": "of those, requests that reached consumer_wait_s short of their prompt",
+    "compacted_skips": "requests' steps not saved: the request's KV was compacted (kv_compacted)",
+    "decode_chunks": "chunks completed during decode, saved for a later turn (save_decode_cache)",
     "cache_hits": "lookup-cache answers used",
     "cache_misses": "lookup-cache answers missing or expired",
     "invalidations": "lookup-cache entries invalidated",
@@ -37,17 +48,35 @@ COUNTERS = {
     "load_corrupt": "objects rejected by header or checksum",
     "load_errors": "load jobs that failed",
     "load_timeouts": "loads abandoned at load_timeout_s",
+    "loads_started_at_schedule": "steps whose loads started as the scheduler built the step",
+    "loads_before_forward": "steps that loaded everything before the forward (whole mode, full graphs)",
+    "loads_in_graph": "steps whose full graph waited for each layer's load (graph_layer_waits)",
+    "async_load_requests": "requests whose off-step load ended: landed, failed or cancelled (async_load)",
+    "deferred_state_copies": "hybrid models: vLLM's state copies run once their layer's state landed",
     "failed_blocks": "blocks reported to vLLM for recompute",
     "save_errors": "save jobs that failed",
+    "save_skipped_unanswered": "save jobs dropped: the pool had not answered their reserve by the next step",
+    **{f"save_skipped_{s.name.lower()}": f"objects not saved: the pool answered their reserve {s.name}"
+       f"{_NOT_RESERVED.get(s, '')}" for s in Status if s is not Status.OK},
+    "save_incomplete": "objects reserved but not wholly written by the commit (given back)",
+    "saved_raw_bytes": "KV bytes saved, before the codec (saved_bytes over this: its ratio)",
+    "deferred_drains": "steps whose saves finished at the start of the next step (defer_save_drain)",
     "rpcs": "calls to the pool from workers",
+    "load_rpcs": "workers' pool calls for loads (lease, release, remove)",
+    "save_rpcs": "workers' pool calls for saves (reserve, commit, abort)",
     "steps": "worker steps",
+    "selftest_layers": "layer parts the KV layout self-test round-tripped at start",
+    "selftest_failed": "KV layout self-tests that failed (that worker's pool is off)",
 }
 # Kept as the latest (largest) value instead of summed.
 GAUGES = {"max_rpcs_per_step": "most pool calls in one worker step",
+          "max_lookup_rpcs_per_step": "most lookup calls the scheduler started in one step",
+          "max_load_rpcs_per_step": "most load calls in one worker step",
+          "max_save_rpcs_per_step": "most save calls in one worker step",
           "pool_used_bytes": "pool bytes in use", "pool_capacity_bytes": "pool capacity",
           "pool_evictions": "objects the pool evicted since it started"}
 SECONDS = {"load_seconds": "time in load jobs", "save_seconds": "time in save copies",
-           "lookup_seconds": "time in lookups"}
+           "lookup_seconds": "time in lookups", "selftest_seconds": "time in the KV layout self-test"}
 
 
 class IntervalCounters:
@@ -100,6 +129,55 @@ class IntervalCounters:
         out.update({k: v for k, v in total.items() if k in GAUGES})
         self._reported = total
         return {k: v for k, v in out.items() if v}
+
+
+class StepCalls:
+    """A worker's pool calls per step, by direction (a ``GuardedBackend``'s ``calls``):
+    counted (``load_rpcs``) and the most in one step kept (``max_load_rpcs_per_step``)."""
+
+    DIRECTIONS = ("load", "save")
+
+    def __init__(self, counters: IntervalCounters):
+        self.counters = counters
+        self._seen = dict.fromkeys(self.DIRECTIONS, 0)
+
+    def end_step(self, calls: dict[str, int]) -> None:
+        for d in self.DIRECTIONS:
+            n, self._seen[d] = calls[d] - self._seen[d], calls[d]
+            self.counters[f"{d}_rpcs"] += n
+            gauge = f"max_{d}_rpcs_per_step"
+            self.counters[gauge] = max(self.counters[gauge], n)
+
+
+class PoolOccupancy:
+    """The pool's occupancy gauges, asked at most every ``every_s`` on a thread of their
+    own: vLLM collects stats on the engine's thread, which must never wait for the pool."""
+
+    def __init__(self, backend, counters: IntervalCounters, every_s: float = 5.0):
+        self.backend, self.counters, self.every_s = backend, counters, every_s
+        self._at = 0.0
+        self._running: Future | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-stats")
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        if now - self._at >= self.every_s and (self._running is None or self._running.done()):
+            self._at = now
+            self._running = self._thread.submit(self._ask)
+
+    def _ask(self) -> None:
+        from ascend_store.backends import BackendUnavailable
+
+        try:
+            s = self.backend.stats()
+        except BackendUnavailable:
+            return
+        self.counters["pool_used_bytes"] = s["used_bytes"]
+        self.counters["pool_capacity_bytes"] = s["capacity"]
+        self.counters["pool_evictions"] = s["evictions"]
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass

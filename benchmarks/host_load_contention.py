@@ -41,6 +41,7 @@ def main() -> None:
         write_object(arena[at:at + size], src, blocks, f"k{k}", True, RAW)
     dsts = [LayerLayout(torch.zeros_like(src.tensor), 0) for _ in range(LAYERS)]
     host, words, scratch = arena.numpy(), host_loads.words_of(arena), host_loads.Scratch()
+    gate = host_loads.WriteGate()
     pages = StepPages.of([list(range(1 + o * PAGES, 1 + (o + 1) * PAGES)) for o in range(OBJECTS)],
                          [0] * OBJECTS, [PAGES] * OBJECTS)
     live = np.ones(OBJECTS, dtype=bool)
@@ -49,7 +50,8 @@ def main() -> None:
         for layer in range(LAYERS):
             st = starts[layer * OBJECTS:(layer + 1) * OBJECTS]
             headers = np.stack([host[s:s + HEADER_BYTES].view(HEADER_RECORD)[0] for s in st.tolist()])
-            faults = host_loads.load_layer(words, host, dsts[layer], pages, st, headers, live, True, scratch)
+            faults = host_loads.load_layer(words, host, dsts[layer], pages, st, headers, live, True, scratch,
+                                           gate)
             assert not len(faults.entries)
 
     weights = [[torch.randn(512, 1536), torch.randn(512, 512), torch.randn(512, 1024), torch.randn(512, 1024),

@@ -34,6 +34,10 @@ class FreeList:
         self.free_bytes -= size
         return off
 
+    def largest(self) -> int:
+        """The largest free segment: the most one allocation can get now."""
+        return max(self._by_size, default=0)
+
     def free(self, off: int, size: int) -> int:
         """Return the block; the result is the size of the coalesced free segment."""
         self.free_bytes += size

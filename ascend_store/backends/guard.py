@@ -2,7 +2,8 @@
 
 A pool that is down must cost a request nothing: after one failed call further calls
 fail at once for a backoff period (doubling up to a cap) instead of each waiting out
-the timeout; then one call probes again.
+the timeout; then one call probes again. It also counts the calls that reach the
+backend by direction (``calls``: lookup, load, save, other), for the per-step stats.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ log = logging.getLogger("ascend_store")
 
 _PASSTHROUGH = ("buffer", "exists", "reserve", "commit", "abort", "lease", "release", "remove",
                 "stats", "events", "lease_slots", "reserve_slots")
+# Calls whose success shows the service answered: a staged store's abort and release only
+# free its own staging, and a call with no keys returns before asking anyone.
+_ASKS = {"buffer", "exists", "reserve", "commit", "lease", "remove", "stats", "events", "lease_slots",
+         "reserve_slots"}
+DIRECTION = {"exists": "lookup", "events": "lookup", "lease": "load", "lease_slots": "load",
+             "release": "load", "remove": "load", "reserve": "save", "reserve_slots": "save",
+             "commit": "save", "abort": "save"}
 
 
 class GuardedBackend:
@@ -33,15 +41,23 @@ class GuardedBackend:
         self._open_until = 0.0
         self._lock = threading.Lock()
         self.failures = 0
+        self.calls = {"lookup": 0, "load": 0, "save": 0, "other": 0}  # calls that reached the backend
+
+    def available(self) -> bool:
+        """False while the breaker is open (calls would fail at once)."""
+        return time.monotonic() >= self._open_until
 
     def __getattr__(self, name):
         if name not in _PASSTHROUGH:
             return getattr(self.inner, name)
         fn = getattr(self.inner, name)
+        direction = DIRECTION.get(name, "other")
 
         def guarded(*args, **kwargs):
             if time.monotonic() < self._open_until:
                 raise BackendUnavailable("pool unavailable (backing off)")
+            with self._lock:  # the worker calls from several threads
+                self.calls[direction] += 1
             try:
                 out = fn(*args, **kwargs)
             except BackendUnavailable as exc:
@@ -56,7 +72,8 @@ class GuardedBackend:
                     "KV pool %s: %s failed (%s); requests recompute until it is back",
                     self.service, name, exc)
                 raise
-            if self._backoff:
+            answered = name in _ASKS and not (args and isinstance(args[0], list) and not args[0])
+            if self._backoff and answered:
                 self._backoff = 0.0
                 if self.service in GuardedBackend._down:
                     GuardedBackend._down.discard(self.service)

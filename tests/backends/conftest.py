@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -53,8 +53,10 @@ def _wait_listening(port: int, proc: subprocess.Popen, log_path, what: str, with
     raise RuntimeError(f"{what} not listening on {port} after {within_s:.0f} s:\n{_tail(log_path)}")
 
 
-def make_backend(kind: str, params: dict, timeout_s: float = 2.0, role: str = "worker"):
-    """Build a backend from picklable params (also used in child processes)."""
+def make_backend(kind: str, params: dict, timeout_s: float = 5.0, role: str = "worker"):
+    """Build a backend from picklable params (also used in child processes). The default
+    deadline is the config's: a fresh Mooncake or memcache backend's first call includes
+    starting its client's helper process, on a CI machine busy with other tests."""
     if kind == "local":
         from ascend_store.backends.local.client import LocalBackend
 
@@ -75,8 +77,10 @@ class Service:
     capacity: int
     start_fn: object
     stop_fn: object
+    procs: dict = field(default_factory=dict)  # the running service processes by role, for SIGSTOP
 
-    def backend(self, timeout_s: float = 2.0, role: str = "worker"):
+
+    def backend(self, timeout_s: float = 5.0, role: str = "worker"):
         return make_backend(self.kind, self.params, timeout_s, role)
 
     def restart(self) -> None:
@@ -94,15 +98,16 @@ def _local(tmp_path, disk: bool = False) -> Service:
                    pool.start, pool.stop)
 
 
-def _mooncake(tmp_path) -> Service:
+def _mooncake(tmp_path, capacity: int = 32 * 2**20) -> Service:
     if not IN_NETNS:
         pytest.skip("Mooncake binds all interfaces: run inside a private network namespace "
                     "(make test does: unshare -n, ASCEND_STORE_NETNS=1)")
     pytest.importorskip("mooncake.store")
     port = next(_ports)
-    cap = 32 * 2**20
+    cap = capacity
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     procs: list[tuple[subprocess.Popen, object]] = []  # (process, its log)
+    by_role: dict[str, subprocess.Popen] = {}
     starts = itertools.count()
 
     def spawn(name: str, args: list[str], listen_port: int, n: int) -> None:
@@ -110,6 +115,7 @@ def _mooncake(tmp_path) -> Service:
         with open(log_path, "w") as log:
             proc = subprocess.Popen([f"{BIN}/{name}", *args], env=env, stdout=log, stderr=subprocess.STDOUT)
         procs.append((proc, log_path))
+        by_role[name] = proc  # the wrapper execs the binary: this pid is the server's
         _wait_listening(listen_port, proc, log_path, name)
 
     def start():
@@ -131,7 +137,7 @@ def _mooncake(tmp_path) -> Service:
             p.wait()
 
     params = {"master": f"127.0.0.1:{port}", "global_segment_size": 0, "staging_size": 64 * 2**20}
-    return Service("mooncake", params, cap, start, stop)
+    return Service("mooncake", params, cap, start, stop, by_role)
 
 
 _MEMCACHE_META = """
@@ -167,6 +173,7 @@ def _memcache(tmp_path, protocol: str, storage: int = 0) -> Service:
     meta, store = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
     cap = 8 * 2**20
     procs: list[tuple[subprocess.Popen, object]] = []
+    by_role: dict[str, subprocess.Popen] = {}
     starts = itertools.count()
     params = {"meta_service_url": meta, "config_store_url": store, "protocol": protocol,
               "dram_size": cap, "staging_size": 64 * 2**20}
@@ -178,6 +185,7 @@ def _memcache(tmp_path, protocol: str, storage: int = 0) -> Service:
             proc = subprocess.Popen([sys.executable, "-c", _MEMCACHE_META, meta, store],
                                     stdout=log, stderr=subprocess.STDOUT)
         procs.append((proc, log_path))
+        by_role["meta"] = proc
         _wait_listening(port, proc, log_path, "memcache meta service")
         if storage:
             log_path, id_path = tmp_path / f"memcache-storage-{n}.log", tmp_path / f"memcache-storage-{n}.id"
@@ -185,6 +193,7 @@ def _memcache(tmp_path, protocol: str, storage: int = 0) -> Service:
                 proc = subprocess.Popen([sys.executable, "-c", _MEMCACHE_STORAGE, meta, store, protocol,
                                          str(storage), str(id_path)], stdout=log, stderr=subprocess.STDOUT)
             procs.append((proc, log_path))
+            by_role["storage"] = proc
             end = time.monotonic() + 60
             while not id_path.exists():
                 if proc.poll() is not None or time.monotonic() > end:
@@ -201,7 +210,7 @@ def _memcache(tmp_path, protocol: str, storage: int = 0) -> Service:
             p.kill()
             p.wait()
 
-    return Service("memcache", params, cap, start, stop)
+    return Service("memcache", params, cap, start, stop, by_role)
 
 
 @pytest.fixture(params=["local", "local-disk", "mooncake", "memcache-host_shm", "memcache-host_tcp"])

@@ -145,7 +145,6 @@ def test_vllm_ascend_memcache_client_inits_one_device_per_rank(vllm_ascend):
 # -- memcache_hybrid -----------------------------------------------------------------------
 
 MEMCACHE = "ascend_store/backends/memcache.py"
-STAGED = "ascend_store/backends/staged.py"
 
 
 def _pybind_params(doc: str) -> list[tuple[str, bool]]:
@@ -167,17 +166,15 @@ def _pybind_params(doc: str) -> list[tuple[str, bool]]:
 
 
 def _store_calls() -> list[tuple[str, int, set[str]]]:
-    """Every DistributedObjectStore call of the memcache backend: through ``_call("name",
-    ...)`` (staged.py's calls included) and directly on ``store``."""
+    """Every DistributedObjectStore call of the memcache backend's client (memcache.py, run in
+    its helper process): on ``store`` or ``self.store``."""
+    def on_store(v) -> bool:
+        return _is_name("store")(v) or _is_attr("self", "store")(v)
+
     out = []
-    for rel in (MEMCACHE, STAGED):
-        tree = ascend_store_tree(rel)
-        for _, _, _, node in _calls(tree, _is_name("self")):
-            if node.func.attr == "_call" and isinstance(node.args[0], ast.Constant):
-                # *self._put_args(): memcache passes (direction, replicas) at most
-                n = sum(2 if isinstance(a, ast.Starred) else 1 for a in node.args[1:])
-                out.append((node.args[0].value, n, set()))
-        out += [(m, n, k) for m, n, k, _ in _calls(tree, _is_name("store"))]
+    for m, n, k, node in _calls(ascend_store_tree(MEMCACHE), on_store):
+        n += sum(isinstance(a, ast.Starred) for a in node.args)  # *self._put_args: 2 at most
+        out.append((m, n, k))
     return out
 
 

@@ -128,6 +128,18 @@ def pool(tmp_path):
 
 
 @pytest.fixture
+def mooncake(tmp_path):
+    """A real mooncake_master (and storage client) on loopback: only inside the sandbox's
+    private network namespace (Makefile, test target)."""
+    from tests.backends.conftest import _mooncake
+
+    svc = _mooncake(tmp_path)
+    svc.start_fn()
+    yield svc
+    svc.stop_fn()
+
+
+@pytest.fixture
 def pool_small(tmp_path):
     """A pool of 4 MiB: about 60 chunks of the tiny model, so it evicts constantly."""
     p = Pool(str(tmp_path / "pool" / "pool.sock"), capacity="4MiB").start()

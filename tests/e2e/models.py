@@ -32,9 +32,10 @@ def _tokenizer(out_dir: str, vocab_size: int) -> None:
 
 
 def build_llama(name: str = "llama-tiny", layers: int = 4, hidden: int = 128, heads: int = 4,
-                kv_heads: int = 2, vocab_size: int = 512) -> str:
-    """Build (once) and return the directory of a tiny random Llama."""
-    out_dir = os.path.abspath(os.path.join(ROOT, name))
+                kv_heads: int = 2, vocab_size: int = 512, seed: int = 0, root: str = ROOT) -> str:
+    """Build (once) and return the directory ``root/name`` of a tiny random Llama whose
+    weights are drawn from ``seed`` (another seed: the same shapes, other weights)."""
+    out_dir = os.path.abspath(os.path.join(root, name))
     if os.path.exists(os.path.join(out_dir, "done")):
         return out_dir
     import torch
@@ -42,7 +43,7 @@ def build_llama(name: str = "llama-tiny", layers: int = 4, hidden: int = 128, he
 
     os.makedirs(out_dir, exist_ok=True)
     _tokenizer(out_dir, vocab_size)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2,
                       num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, head_dim=hidden // heads,

@@ -6,8 +6,9 @@ hit's tokens can only come from the pool. Usage:
     python tests/e2e/runner.py JOB.json   (prints one JSON line prefixed with RESULT)
 Job: {"model", "kv_config" | null, "rounds": [[token-id prompts] or "continue" (the last
       round's prompts, each extended by its first output token), ...], "max_tokens",
-      "block_size", "prefix_caching", "reset_between_rounds",
-      "between": [shell command run after round i, or null], "engine_args": {...},
+      "block_size", "prefix_caching", "reset_between_rounds" (true, or the rounds to reset before),
+      "between": [shell command run after round i, or null], "after": a shell command run
+      once the results are printed (the engine stays up until it returns), "engine_args": {...},
       "round_extra_args": [SamplingParams.extra_args per round, or null],
       "loras": {name: adapter dir}, "prompt_opts": per round, per prompt {"cache_salt": str,
                 "lora": name} or null,
@@ -18,7 +19,10 @@ Job: {"model", "kv_config" | null, "rounds": [[token-id prompts] or "continue" (
                      or "FULL"): the scheduler plans steps as under that mode's graphs
                      (graph_steps.py), which this CPU has not,
       "trace_memory": true to report Python allocations by ascend_store code that outlive
-                      rounds 3.. (result "traced_growth", bytes)}
+                      rounds 3.. (result "traced_growth", bytes),
+      "instrument": true to time every engine step and count the scheduler's pool calls by
+                    operation, from outside the connector (per round: "step_seconds",
+                    "pool_calls")}
 With ``engine_args`` {"distributed_executor_backend": "mp", "tensor_parallel_size" or
 "pipeline_parallel_size": N} the ranks are processes of their own (docs/parallel.md), and
 "rank_workers" holds each rank's connector counters.
@@ -110,6 +114,46 @@ def _ascend_snapshot():
         [tracemalloc.Filter(True, "*/ascend_store/*", all_frames=True)])
 
 
+class _Probe:
+    """Engine step times and the scheduler's pool calls, seen from outside the connector."""
+
+    def __init__(self):
+        self.steps: list[float] = []
+        self.calls: dict[str, int] = {}
+
+    def take(self) -> dict:
+        out = {"step_seconds": self.steps, "pool_calls": self.calls}
+        self.steps, self.calls = [], {}
+        return out
+
+
+def _instrument(llm, scheduler) -> _Probe:
+    import time
+
+    probe = _Probe()
+    core = llm.llm_engine.engine_core.engine_core
+    step = core.step_fn
+
+    def timed_step():
+        t0 = time.perf_counter()
+        try:
+            return step()
+        finally:
+            probe.steps.append(time.perf_counter() - t0)
+
+    core.step_fn = timed_step
+    inner = scheduler.backend.inner
+    for op in ("exists", "events", "stats"):
+        fn = getattr(inner, op)
+
+        def counted(*args, _fn=fn, _op=op, **kwargs):
+            probe.calls[_op] = probe.calls.get(_op, 0) + 1
+            return _fn(*args, **kwargs)
+
+        setattr(inner, op, counted)
+    return probe
+
+
 def main(job_path: str) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung test can ask where
     from vllm import LLM, SamplingParams
@@ -158,15 +202,18 @@ def main(job_path: str) -> None:
     between = job.get("between", [])
     os.environ["ENGINE_PID"] = str(os.getpid())  # for between-round commands
     scheduler, worker = _connectors(llm)
+    probe = _instrument(llm, scheduler) if job.get("instrument") else None
     per_round = []
     trace = job.get("trace_memory") and _start_trace()
     for i, prompts in enumerate(job["rounds"]):
         if prompts == "continue":  # the last round's prompts, each with its first output token
             prompts = [p + [o["token_ids"][0]] for p, o in zip(job["rounds"][i - 1], rounds[-1])]
             job["rounds"][i] = prompts
-        if i and job.get("reset_between_rounds"):
+        reset = job.get("reset_between_rounds")
+        reset = i in reset if isinstance(reset, list) else bool(i and reset)
+        if reset:
             assert llm.reset_prefix_cache(), "vLLM's prefix cache did not reset: blocks still held"
-        if i and (job.get("reset_between_rounds") or not kwargs["enable_prefix_caching"]):
+        if i and (reset or not kwargs["enable_prefix_caching"]):
             # No block holds a token the engine may reuse: scrub them all.
             assert all(llm.collective_rpc(scrub_kv_caches)), "no KV cache tensor to scrub"
         if i and i - 1 < len(between) and between[i - 1]:
@@ -188,7 +235,8 @@ def main(job_path: str) -> None:
             "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
             "num_cached_tokens": o.num_cached_tokens or 0,
         } for o in outs])
-        per_round.append({"worker": dict(worker.counters.total) if worker else {},
+        per_round.append({**(probe.take() if probe is not None else {}),
+                          "worker": dict(worker.counters.total) if worker else {},
                           "scheduler": dict(scheduler.counters.total) if scheduler else {},
                           "rss": _rss_bytes()})
         if trace and i == 1:  # the same point the RSS comparison starts from
@@ -208,6 +256,8 @@ def main(job_path: str) -> None:
         result["scheduler"] = dict(scheduler.counters.total)
         result["scheduler_requests"] = len(scheduler._reqs)
     print("RESULT " + json.dumps(result), flush=True)
+    if job.get("after"):
+        subprocess.run(job["after"], shell=True, check=True)
 
 
 if __name__ == "__main__":

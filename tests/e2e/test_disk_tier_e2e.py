@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import time
 
-import msgspec
 import pytest
-import zmq
 
 from ascend_store.backends.local.client import LocalBackend
 from ascend_store.backends.local.disk import file_name
 from ascend_store.config import LocalPoolConfig
 from ascend_store.keys import chunk_hashes
 from tests.e2e.conftest import BLOCK, Pool, assert_same_outputs, kv_config, run_engine
+from tests.e2e.kv_subscriber import KVEventSubscriber
+from tests.e2e.test_kv_events_e2e import _vllm_block_hashes
 
 pytestmark = pytest.mark.e2e
 N_PROMPTS, BLOCKS = 10, 4  # 40 chunk objects of ~64 KiB: 2.5 MiB, four times the memory tier
@@ -52,35 +51,10 @@ class _Pool(Pool):
         super().stop(wait_s)
 
 
-class _Subscriber(threading.Thread):
-    """Decodes vLLM's KV event batches as its consumers do: msgspec over ZMQ SUB."""
-
-    def __init__(self, endpoint: str):
-        super().__init__(daemon=True)
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self.sock = zmq.Context.instance().socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.connect(endpoint)
-        self.hashes: dict[tuple[str, str], list] = {}
-        self.running = True
-
-    def run(self) -> None:
-        while self.running:
-            if self.sock.poll(100):
-                _topic, _seq, payload = self.sock.recv_multipart()
-                for ev in self.decoder.decode(payload).events:
-                    self.hashes.setdefault((type(ev).__name__, ev.medium), []).extend(ev.block_hashes)
-
-    def count(self, kind: str, medium: str) -> int:
-        return len(self.hashes.get((kind, medium), []))
-
-
 def test_disk_tier_restart_corruption_and_kv_events(tmp_path, model):
     pool = _Pool(str(tmp_path / "pool" / "pool.sock"), str(tmp_path / "disk")).start()
     endpoint = f"ipc://{tmp_path}/events.sock"
-    sub = _Subscriber(endpoint)
+    sub = KVEventSubscriber(endpoint)
     sub.start()
     prompts = _prompts()
     tiny = [[7] * 10]  # no full block: neither saved nor loaded; its steps drain the last events
@@ -96,15 +70,14 @@ def test_disk_tier_restart_corruption_and_kv_events(tmp_path, model):
         # What the subscriber decoded matches the pool's own counters, tier by tier.
         want = {("BlockStored", "CPU"): st["events"]["stored_cpu"],
                 ("BlockRemoved", "CPU"): st["evictions"],
-                ("BlockStored", "DISK"): st["spilled"],
-                ("BlockRemoved", "DISK"): st["disk"]["evictions"]}
+                ("BlockStored", "STORAGE"): st["spilled"],
+                ("BlockRemoved", "STORAGE"): st["disk"]["evictions"]}
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(sub.count(*k) != n for k, n in want.items()):
+        while time.monotonic() < deadline and any(len(sub.hashes(*k)) != n for k, n in want.items()):
             time.sleep(0.1)
-        assert {k: sub.count(*k) for k in want} == want
-        saved = {h for h in sub.hashes[("BlockStored", "CPU")]}
-        want_hashes = {int(h, 16) & (2**64 - 1) for p in prompts for h in chunk_hashes(p, BLOCK)}
-        assert saved == want_hashes  # one event hash per saved chunk: its chain hash
+        assert {k: len(sub.hashes(*k)) for k in want} == want
+        saved = set(sub.hashes("BlockStored", "CPU"))
+        assert saved == {h for p in prompts for h in _vllm_block_hashes(p)}  # vLLM's, one per block
 
         pool.stop()  # writes the memory tier to disk
         victim = chunk_hashes(prompts[0], BLOCK)[-1]  # the last chunk of prompt 0

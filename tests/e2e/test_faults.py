@@ -29,7 +29,8 @@ FAULTS = [
     ({"role": "worker", "op": "lease", "kind": "short"}, ("worker", "load_corrupt"), None),
     ({"role": "worker", "op": "lease", "kind": "hang"}, ("worker", "load_errors"), None),
     ({"role": "scheduler", "op": "exists", "kind": "error"}, ("scheduler", "lookup_errors"), False),
-    ({"role": "scheduler", "op": "exists", "kind": "hang"}, ("scheduler", "lookup_errors"), False),
+    # A hung lookup: each request waits lookup_timeout_s for it, then misses.
+    ({"role": "scheduler", "op": "exists", "kind": "hang"}, ("scheduler", "lookup_timeouts"), False),
     # Every other chunk object reported missing: the hit ends at the first missing chunk.
     ({"role": "scheduler", "op": "exists", "kind": "partial"}, ("scheduler", "lookup_rpcs"), True),
     ({"role": "worker", "op": "reserve", "kind": "error"}, ("worker", "save_errors"), False),
@@ -48,7 +49,7 @@ def test_fault_matrix_recomputes_with_correct_tokens(tmp_path, model, pool):
         if entry[1][1] == "load_corrupt":
             steps.append(None)
     try:
-        between = []
+        between, last = [], None
         for step in steps:
             if step is None:
                 between.append(f"rm -f {fault_file}")
@@ -57,7 +58,11 @@ def test_fault_matrix_recomputes_with_correct_tokens(tmp_path, model, pool):
             # Save faults need something to save: empty the pool first.
             clear = "".join(f"{TAMPER} remove {pool.socket} basic:{i} && "
                             for i in range(3)) if fault["op"] in ("reserve", "commit") else ""
-            between.append(f"{clear}echo '{json.dumps(fault)}' > {fault_file} && sleep 1")
+            # A hung lookup ends after the round (requests do not wait for it): its failure
+            # opens the breaker then, for its second backoff (1 s), which the next round waits out.
+            pause = 2.5 if last is not None and last["op"] == "exists" and last["kind"] == "hang" else 1
+            between.append(f"{clear}echo '{json.dumps(fault)}' > {fault_file} && sleep {pause}")
+            last = fault
         # Clean: once the breaker's backoff (at most 5 s) has passed, save again, then hit.
         between += [f"rm -f {fault_file} && sleep 6", None]
         kv = kv_config(pool.socket, backend="tests.e2e.faulty_backend:FaultyBackend", timeout_s=1.0,

@@ -33,15 +33,16 @@ def test_forty_requests_one_query_per_key_and_cache_invalidation(tmp_path, model
     s0, s1 = (json.loads(p.read_text()) for p in stats[:2])
     shared_chunks, own_chunks = 9, 1
 
-    # Round 1, empty pool: the first lookup misses at chunk 0 and caches every answer;
-    # the other 39 stop at the cached miss of chunk 0 with no call at all.
-    assert all(o["num_cached_tokens"] == 0 for o in first)
-    assert s0["key_queries"]["exists"] == (shared_chunks + own_chunks) * OBJECTS_PER_CHUNK
-    # Round 2: the saves invalidated those misses, so every request hits the pool, and each
-    # distinct key was asked once: 9 shared chunks + 40 own chunks, one object each.
-    assert all(o["num_cached_tokens"] == 10 * BLOCK for o in second)
+    # Round 1, empty pool: the 40 requests arrive in one step and are asked in one call,
+    # each distinct key once (9 shared chunks + 40 own chunks, one object each); all miss.
     distinct = (shared_chunks + 40 * own_chunks) * OBJECTS_PER_CHUNK
+    assert all(o["num_cached_tokens"] == 0 for o in first)
+    assert s0["key_queries"]["exists"] == distinct
+    # Round 2: the saves invalidated those misses, so every request hits the pool, and each
+    # distinct key was asked once again.
+    assert all(o["num_cached_tokens"] == 10 * BLOCK for o in second)
     assert s1["key_queries"]["exists"] - s0["key_queries"]["exists"] == distinct
+    assert r["scheduler"]["max_lookup_rpcs_per_step"] == 1
     # The worker leased each distinct object once in that step, with no key repeated in a call.
     assert s1["key_queries"]["lease"] - s0["key_queries"].get("lease", 0) == distinct
     assert s1["repeated_keys"] == 0

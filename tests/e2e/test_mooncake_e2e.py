@@ -5,18 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.backends.conftest import _mooncake
 from tests.e2e.conftest import assert_same_outputs, kv_config, prompts, run_engine
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def mooncake(tmp_path):
-    svc = _mooncake(tmp_path)
-    svc.start_fn()
-    yield svc
-    svc.stop_fn()
 
 
 def _kv(svc, **extra):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -36,7 +37,7 @@ def test_values_are_read():
         "verify_checksum": False, "async_load": False, "commit_before_reply": False,
         "save_decode_cache": True,
         "local": {"socket": "rel/pool.sock", "capacity": "1GiB", "start": "never", "lease_ttl_s": 3,
-                  "trusted_uid": 1000},
+                  "idle_exit_s": 2, "trusted_uid": 1000},
     })
     assert cfg.use_layerwise is False
     assert cfg.chunk_size == 64
@@ -50,6 +51,7 @@ def test_values_are_read():
     assert cfg.local.capacity == 2**30
     assert cfg.local.start == "never"
     assert cfg.local.lease_ttl_s == 3.0
+    assert cfg.local.idle_exit_s == 2.0 and StoreConfig.parse({}).local.idle_exit_s == 10.0
     assert cfg.local.trusted_uid == 1000 and StoreConfig.parse({}).local.trusted_uid is None
 
 
@@ -111,6 +113,8 @@ def test_bad_backend_lists_accepted_values():
     ({"local": {"capacity": True}}, "local.capacity"),
     ({"local": {"start": "sometimes"}}, "local.start"),
     ({"local": {"lease_ttl_s": 0}}, "local.lease_ttl_s"),
+    ({"local": {"idle_exit_s": 0}}, "local.idle_exit_s"),
+    ({"local": {"idle_exit_s": "10s"}}, "local.idle_exit_s"),
     ({"local": {"socket": 5}}, "local.socket"),
     ({"local": {"trusted_uid": -1}}, "local.trusted_uid"),
     ({"local": {"trusted_uid": "root"}}, "local.trusted_uid"),
@@ -190,6 +194,30 @@ def test_check_transfer_config_validates_extra_config():
         check_transfer_config(_transfer("kv_both", {"local": {"capasity": 1}}))
 
 
+def _with_policy(policy, extra=None, role="kv_both"):
+    return SimpleNamespace(kv_role=role, kv_load_failure_policy=policy, kv_connector_extra_config=extra)
+
+
+@pytest.mark.parametrize("extra, device", [({"copy_path": "batched"}, "cpu"), ({}, "cuda"),
+                                           ({"copy_path": "auto"}, "npu"), ({"copy_path": "batched"}, "npu")])
+def test_the_batched_path_requires_recompute_on_load_failures(extra, device):
+    # Its checksums are compared after the forward: only a recompute can undo a bad load.
+    with pytest.raises(ConfigError) as ei:
+        check_transfer_config(_with_policy("fail", extra), device)
+    msg = str(ei.value)
+    assert msg.startswith("kv_load_failure_policy:") and "'recompute'" in msg and "'fail'" in msg
+    assert check_transfer_config(_with_policy("recompute", extra), device).copy_path == extra.get(
+        "copy_path", "auto")
+    check_transfer_config(_with_policy("fail", extra, "kv_producer"), device)  # a producer never loads
+
+
+@pytest.mark.parametrize("extra, device", [({}, "cpu"), ({"copy_path": "per_block"}, "cuda"),
+                                           ({"codec": "zstd"}, "cuda")])
+def test_the_per_block_path_takes_either_load_failure_policy(extra, device):
+    # It checks every object before copying it into the KV cache.
+    assert check_transfer_config(_with_policy("fail", extra), device).backend == "local"
+
+
 def test_batched_copy_path_takes_fixed_size_codecs_only():
     assert StoreConfig.parse({"copy_path": "batched", "codec": "int8"}).copy_path == "batched"
     with pytest.raises(ConfigError, match="copy_path.*zstd"):
@@ -249,3 +277,52 @@ def test_a_bad_key_fails_when_vllm_asks_for_the_graph_mode():
 
     with pytest.raises(ConfigError, match="use_layerwize"):
         AscendStoreConnector.requires_piecewise_for_cudagraph({"use_layerwize": True})
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+
+
+def _room(socket_dir: str) -> int:
+    """Independently of the code: the most an arena can take, in /dev/shm or beside the
+    socket (its nearest existing directory), each bounded by the memory available."""
+    rooms = []
+    for d in ("/dev/shm", socket_dir):
+        while not os.path.isdir(d):
+            d = os.path.dirname(d)
+        st = os.statvfs(d)
+        rooms.append(min(st.f_bavail * st.f_frsize, _mem_available()))
+    return max(rooms)
+
+
+def test_default_capacity_is_a_quarter_of_the_memory_free_for_the_arena(tmp_path):
+    socket = str(tmp_path / "not-yet" / "pool.sock")
+    before = _room(os.path.dirname(socket))
+    cfg = StoreConfig.parse({"local": {"socket": socket}}).local
+    after = _room(os.path.dirname(socket))
+    # Other processes allocate meanwhile: within 2% of the readings around the parse.
+    assert 0.25 * min(before, after) * 0.98 - 2**20 <= cfg.capacity <= 0.25 * max(before, after) * 1.02
+    assert cfg.capacity % 2**20 == 0
+    assert LocalPoolConfig(socket=socket).capacity == pytest.approx(cfg.capacity, rel=0.05)  # built directly
+
+
+def test_a_given_capacity_is_kept_as_given(tmp_path):
+    socket = str(tmp_path / "pool.sock")
+    assert StoreConfig.parse({"local": {"socket": socket, "capacity": "3GiB"}}).local.capacity == 3 * 2**30
+
+
+def test_a_given_capacity_that_does_not_fit_names_the_key_and_the_numbers(tmp_path):
+    from ascend_store.backends.local.pool_config import check_pool_room
+
+    socket = str(tmp_path / "pool.sock")
+    too_big = StoreConfig.parse({"local": {"socket": socket, "capacity": "64TiB"}})
+    with pytest.raises(ConfigError) as ei:
+        check_pool_room(too_big.local)
+    msg = str(ei.value)
+    assert msg.startswith("local.capacity: 65536.0 GiB does not fit"), msg
+    room_gib = float(re.search(r"has ([\d.]+) GiB", msg).group(1))
+    assert room_gib == pytest.approx(_room(str(tmp_path)) / 2**30, rel=0.05)
+    assert "leave local.capacity out" in msg and "--capacity" not in msg
+    check_pool_room(StoreConfig.parse({"local": {"socket": socket, "capacity": "16MiB"}}).local)
+    check_pool_room(StoreConfig.parse({"local": {"socket": socket}}).local)

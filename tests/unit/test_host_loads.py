@@ -46,7 +46,7 @@ def _load(dst, arena, starts, blocks, skips, verify=True):
     headers = np.stack([host[s:s + HEADER_BYTES].view(HEADER_RECORD)[0] for s in starts.tolist()])
     live = np.ones(len(starts), dtype=bool)
     return host_loads.load_layer(host_loads.words_of(arena), host, dst, pages, starts, headers, live, verify,
-                                 host_loads.Scratch())
+                                 host_loads.Scratch(), host_loads.WriteGate())
 
 
 def test_pages_land_byte_exact_and_skipped_pages_stay():

@@ -241,6 +241,61 @@ def test_committed_object_does_not_expire():
     assert ix.exists(["a"]) == [True]
 
 
+def test_a_live_readers_lease_outlasts_its_ttl_until_its_client_is_gone():
+    clock, live = FakeClock(), {"r1", "r2"}
+    ix = PoolIndex(2 * ALIGN, lease_ttl_s=1.0, clock=clock, alive=live.__contains__)
+    off = _put(ix, "a", ALIGN)
+    ix.lease(["a"], "r1")
+    ix.lease(["a"], "r2")
+    ix.lease(["a"], "r2")
+    clock.now += 100
+    ix.reap()
+    st = ix.stats()
+    assert st["leases"] == 3 and st["overdue_leases"] == 1 and st["expired_leases"] == 0
+    assert ix.reserve(["b", "c"], [ALIGN, ALIGN]) == [(Status.OK, ALIGN - off), (Status.NO_SPACE, 0)]
+    live.discard("r2")  # its process exited: only its leases go
+    ix.reap()
+    assert ix.stats()["leases"] == 1 and ix.stats()["expired_leases"] == 2
+    assert ix.remove(["a"]) == [Status.BUSY]
+    ix.release(["a"], "r2")  # a release by another owner takes nothing of r1's
+    assert ix.remove(["a"]) == [Status.BUSY]
+    ix.release(["a"], "r1")
+    ix.reap()
+    assert ix.stats()["overdue_leases"] == 0
+    assert ix.remove(["a"]) == [Status.OK]
+
+
+def test_a_live_writers_reservation_outlasts_its_ttl_until_its_client_is_gone():
+    clock, live = FakeClock(), {"w"}
+    ix = PoolIndex(2 * ALIGN, reserve_ttl_s=1.0, clock=clock, alive=live.__contains__)
+    [(status, off)] = ix.reserve(["k"], [ALIGN], owner="w")
+    clock.now += 100
+    ix.reap()
+    assert ix.stats()["overdue_reservations"] == 1 and ix.stats()["reserved"] == 1
+    # Its memory is not handed out, so its late writes land in its own object.
+    assert ix.reserve(["x", "y"], [ALIGN, ALIGN]) == [(Status.OK, ALIGN - off), (Status.NO_SPACE, 0)]
+    ix.abort(["x"])
+    assert ix.commit(["k"], "w") == [Status.OK]
+    ix.reserve(["z"], [ALIGN], owner="w")
+    live.clear()
+    clock.now += 100
+    ix.reap()
+    st = ix.stats()
+    assert st["reserved"] == 0 and st["expired_reservations"] == 1 and st["overdue_reservations"] == 0
+
+
+def test_only_the_writer_commits_or_aborts_its_reservation():
+    ix = PoolIndex(4 * ALIGN)
+    ix.reserve(["k"], [100], owner="w1")
+    assert ix.commit(["k"], "w2") == [Status.MISSING]
+    ix.abort(["k"], "w2")
+    assert ix.stats()["reserved"] == 1
+    ix.abort(["k"], "w1")
+    assert ix.stats()["reserved"] == 0
+    ix.reserve(["k"], [100], owner="w1")
+    assert ix.commit(["k"]) == [Status.OK]  # a client that sends no owner is not checked
+
+
 # -- FreeList ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("order", [(0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0)])

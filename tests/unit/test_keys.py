@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -29,7 +30,7 @@ GOLDEN_0_64_32 = ["85439dd1e63b34a61c769dee3d5da79a", "bf63c0d896568259099a14fc5
 
 
 def _identity(**over):
-    base = {"model": "/models/llama", "revision": "abc", "dtype": "bfloat16",
+    base = {"model_config": "c0ffee", "weights": "5eed", "dtype": "bfloat16",
             "kv_cache_dtype": "auto", "block_size": 16, "chunk_size": 64, "tp_size": 2,
             "device": "cpu"}
     base.update(over)
@@ -361,3 +362,28 @@ def test_int8_plugin_kv_cache_is_refused_with_the_reason():
         identity_from_vllm(cfg, 256)
     cfg.cache_config.cache_dtype = "bfloat16"
     assert identity_from_vllm(cfg, 256).kv_cache_dtype == "bfloat16"
+
+
+def test_namespace_names_the_model_by_content_not_path(tmp_path):
+    """A copy of the checkpoint shares the namespace; other weights at the same path, or
+    the same weights with another RoPE, do not (fingerprint.py)."""
+    from ascend_store.keys import identity_from_vllm
+    from tests.unit.test_fingerprint import _checkpoint, _llama_config
+
+    def ns(path, hf_config) -> str:
+        cfg = SimpleNamespace(
+            model_config=SimpleNamespace(model=str(path), revision=None, dtype="float32", hf_config=hf_config,
+                                         hf_text_config=hf_config),
+            load_config=SimpleNamespace(load_format="auto", download_dir=None),
+            cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+            device_config=SimpleNamespace(device_type="cpu"))
+        return identity_from_vllm(cfg, 16).namespace()
+
+    plain, rope = _llama_config(), _llama_config(rope_parameters={"rope_type": "linear", "factor": 4.0})
+    a = _checkpoint(tmp_path / "a")
+    shutil.copytree(a, tmp_path / "copy")
+    before = ns(a, plain)
+    assert ns(tmp_path / "copy", plain) == before != ns(a, rope)
+    _checkpoint(a, seed=1)  # rewritten in place: same shapes, other weights
+    assert ns(a, plain) != before

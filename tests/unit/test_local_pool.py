@@ -556,6 +556,30 @@ def test_guard_backs_off_after_failure(pool):
         guard.close()
 
 
+def test_guard_closes_only_on_a_call_the_pool_answered(pool):
+    """A call that never reaches the pool (no keys) must not end an outage: the next real
+    call after the backoff still counts as the probe, and a failure doubles the backoff."""
+    inner = pool.client(timeout_s=0.5)
+    guard = GuardedBackend(inner, "test pool answered", first_backoff_s=0.2)
+    try:
+        os.kill(pool.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(BackendUnavailable):
+                guard.exists(["k"])
+            time.sleep(0.25)
+            assert guard.exists([]) == [] and guard.abort([]) is None  # asked nobody
+            with pytest.raises(BackendUnavailable):
+                guard.exists(["k"])
+            assert guard._backoff == 0.4  # still the same outage: doubled, not restarted
+        finally:
+            os.kill(pool.pid, signal.SIGCONT)
+        time.sleep(0.45)
+        assert guard.exists(["k"]) == [False]
+        assert guard._backoff == 0.0
+    finally:
+        guard.close()
+
+
 def test_guard_backoff_doubles_caps_and_resets(sockdir):
     path = os.path.join(sockdir, "p.sock")
     inner = LocalBackend(LocalPoolConfig(socket=path, start="never"), timeout_s=1.0)
@@ -631,11 +655,12 @@ def test_cli_serve_rejects_bad_capacity(sockdir):
 
 PARENT = textwrap.dedent("""
     import sys
-    from ascend_store.backends.local.launcher import ensure_pool, ping
+    from ascend_store.backends.local.client import LocalBackend
+    from ascend_store.backends.local.launcher import ping
     from ascend_store.config import LocalPoolConfig
-    cfg = LocalPoolConfig(socket=sys.argv[1], capacity=1 << 20, start="auto")
-    proc = ensure_pool(cfg)
-    print(proc.pid if proc else 0, ping(cfg.socket)["pid"], flush=True)
+    cfg = LocalPoolConfig(socket=sys.argv[1], capacity=1 << 20, start="auto", idle_exit_s=0.5)
+    client = LocalBackend(cfg)  # starts the pool (ensure_pool) unless one answers
+    print(client.started or 0, ping(cfg.socket)["pid"], flush=True)
     sys.stdin.readline()  # live until the test says so
 """)
 
@@ -645,7 +670,7 @@ def _parent(socket_path):
                             stdout=subprocess.PIPE, text=True)
 
 
-def test_ensure_pool_starts_pool_that_dies_with_its_parent(sockdir):
+def test_ensure_pool_starts_a_pool_that_goes_after_its_last_client(sockdir):
     path = os.path.join(sockdir, "auto", "pool.sock")  # the directory does not exist yet
     parent = _parent(path)
     try:
@@ -656,7 +681,7 @@ def test_ensure_pool_starts_pool_that_dies_with_its_parent(sockdir):
     finally:
         parent.stdin.close()
         parent.wait(10)
-    try:
+    try:  # its only client is gone: it exits 0.5 s later (idle_exit_s)
         _wait(lambda: ping(path) is None, 5, "the orphaned pool to stop")
         _wait(lambda: not _running(started), 5, "the pool process to exit")
     finally:
@@ -687,16 +712,21 @@ def test_ensure_pool_reuses_a_running_pool(pool):
     assert ping(pool.socket)["pid"] == pool.pid
 
 
-def test_backend_with_auto_start_owns_its_pool(sockdir):
+def test_backend_with_auto_start_leaves_its_pool_when_closed(sockdir):
     path = os.path.join(sockdir, "pool.sock")
-    b = LocalBackend(LocalPoolConfig(socket=path, capacity=1 << 20, start="auto"), timeout_s=2.0)
+    b = LocalBackend(LocalPoolConfig(socket=path, capacity=1 << 20, start="auto", idle_exit_s=0.5),
+                     timeout_s=2.0)
     try:
         pid = ping(path)["pid"]
         assert _running(pid)
         _put(b, "auto/k", b"auto")
         assert _get(b, "auto/k") == b"auto"
         assert b.stats()["capacity"] == 1 << 20
+        assert b.stats()["clients"] == 1
     finally:
         b.close()
+    try:  # closing does not stop it; having no client for idle_exit_s does
+        _wait(lambda: not _running(pid), 5, "the pool to exit")
+    finally:
+        _reap_orphan(pid)
     assert ping(path) is None
-    assert not _running(pid)

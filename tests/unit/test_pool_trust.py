@@ -247,7 +247,7 @@ def test_arena_that_cannot_be_backed_fails_the_start_with_a_clear_error(sockdir)
     r = _in_small_tmpfs(d, sys.executable, "-c", STARTER, os.path.join(d, "pool.sock"))
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("could not start a pool at") == 1, r.stderr
-    assert r.stderr.count("does not fit in") == 1 and "(exit status 2)" in r.stderr
+    assert r.stderr.count("does not fit in") == 1 and "(it exited)" in r.stderr
     assert r.stdout.count("CALL BackendUnavailable no pool at") == 2
 
 
@@ -295,18 +295,19 @@ def test_gc_leaves_other_files_alone(sockdir):
         assert gc_arenas(sockdir) == [] and os.path.exists(other)
 
 
-def test_parent_death_removes_the_arena(sockdir):
+def test_the_last_clients_death_removes_the_arena(sockdir):
     path = os.path.join(sockdir, "pool.sock")
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys
-        from ascend_store.backends.local.launcher import ensure_pool, ping
+        from ascend_store.backends.local.client import LocalBackend
+        from ascend_store.backends.local.launcher import ping
         from ascend_store.config import LocalPoolConfig
-        ensure_pool(LocalPoolConfig(socket=sys.argv[1], capacity=1 << 20))
+        LocalBackend(LocalPoolConfig(socket=sys.argv[1], capacity=1 << 20, idle_exit_s=0.5))
         print(ping(sys.argv[1])["arena"], flush=True)
         sys.stdin.readline()
     """), path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     arena_path = parent.stdout.readline().strip()
     assert os.path.exists(arena_path)
-    parent.kill()  # SIGKILL: only the pool's watch on its parent can notice
+    parent.kill()  # SIGKILL: only the pool's watch on its clients' lock files can notice
     parent.wait(10)
     _wait(lambda: not os.path.exists(arena_path), 10, "the orphaned pool to remove its arena")

@@ -66,6 +66,34 @@ def test_the_next_step_waits_for_the_copies_not_for_the_commit(pool, monkeypatch
     worker.shutdown()
 
 
+def test_a_reserve_the_pool_does_not_answer_is_dropped_not_waited_for(pool, monkeypatch):
+    """A hung pool: the next step waits for the save's reserve at most lookup_timeout_s, then
+    drops the save; once the pool answers, the reservations go back (nothing leaks)."""
+    vllm_config, kv_cache_config, caches = engine_parts(2, 2, 64, BLOCK, 2 * CHUNK_BLOCKS + 1)
+    cfg = StoreConfig.parse({"copy_path": "batched", "lookup_timeout_s": 0.2,
+                             "local": {"socket": pool.socket, "start": "never"}})
+    worker = PoolWorker(vllm_config, kv_cache_config, cfg, "kv_both")
+    worker.register_kv_caches(caches)
+    gate, real = threading.Event(), worker.backend.reserve_slots
+
+    def hung(keys, sizes):
+        gate.wait(60)
+        return real(keys, sizes)
+
+    monkeypatch.setattr(worker.backend, "reserve_slots", hung)
+    worker.wait_for_save(_save_step(worker, 0, commit_now=False))
+    step = threading.Thread(target=worker.handle_preemptions, args=(None,))  # the next step begins
+    step.start()
+    step.join(5)
+    assert not step.is_alive()  # it waited the deadline, not the pool
+    gate.set()
+    worker.saver._thread.submit(lambda: None).result(10)  # the save thread is done with it
+    stats = worker.backend.stats()
+    assert (stats["reserved"], stats["objects"]) == (0, 0)
+    assert worker.counters.total["save_skipped_unanswered"] == 1
+    worker.shutdown()
+
+
 def test_layers_queued_while_the_save_thread_is_busy_share_one_task(pool, monkeypatch):
     """Layers queued behind a slow reserve go to the save thread as one task; a layer queued
     while that task runs gets a task of its own; every layer part is written either way

@@ -76,6 +76,23 @@ def remove(path: str, fd: int) -> None:
     os.close(fd)
 
 
+def abandoned(path: str) -> bool:
+    """Whether no running pool holds the arena at ``path`` (its lock is free, or it is gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def default_dirs() -> list[str]:
     """Where arenas live unless a pool was told otherwise: /dev/shm, and beside the default
     socket (where a pool puts its arena when /dev/shm is too small)."""

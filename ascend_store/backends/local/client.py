@@ -7,11 +7,15 @@ new arena before handing out offsets. Before connecting and before mapping, the 
 its directory and the arena must pass trust.py's checks; a pool that fails them is
 refused (``UntrustedPool``) and requests recompute. Replies are decoded under bounds.
 Each reply says which objects the pool deleted since the last one (``generation()``).
+While open, the client holds its lock file beside the socket (clients.py): the pool keeps
+its leases and reservations until it exits, and serves as long as any client is open,
+whichever started it (``start: auto``; closing never stops the pool).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -21,10 +25,13 @@ import zmq
 
 from ascend_store.backends.base import STATUSES, Backend, BackendUnavailable, Generation, Slots, Status
 from ascend_store.backends.local import protocol, trust
+from ascend_store.backends.local.arena import abandoned
+from ascend_store.backends.local.clients import ClientFile
 from ascend_store.backends.local.launcher import ensure_pool
 
 log = logging.getLogger("ascend_store.pool")
 RECENT_GONE = 8192  # digests of deleted objects kept for generation()
+RESTART_EVERY_S = 10.0  # start: auto: how often a client may try to start a pool it found dead
 _NONE_GONE = np.zeros(0, dtype="<u8")
 
 
@@ -42,14 +49,21 @@ class LocalBackend(Backend):
         self._generation: Generation | None = None
         self._mapped_epoch: str | None = None
         self._view: memoryview | None = None
+        self._arena_path: str | None = None  # the pool's, as of its last hello
+        self._next_start = 0.0
         self.rpcs = 0
-        self.owner = secrets.token_hex(8)  # lets this client re-reserve what it failed to commit
-        self._proc = ensure_pool(cfg) if cfg.start == "auto" else None
+        # Names this client's leases and reservations (and its lock file), so it may
+        # re-reserve what it failed to commit and the pool knows when they are safe to drop.
+        self.owner = secrets.token_hex(8)
+        self._file = ClientFile(cfg.socket, self.owner)
+        # The pid of the pool this client started, if any: it goes when its last client has gone.
+        self.started = ensure_pool(cfg, attach=self._file.open) if cfg.start == "auto" else None
 
     # -- transport ------------------------------------------------------------
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             trust.check_socket(self.cfg.socket, self._uids)
+            self._file.open()
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
@@ -66,7 +80,11 @@ class LocalBackend(Backend):
         with self._lock:
             if self._generation is not None:
                 fields["since"] = self._generation.gone
-            reply = self._roundtrip(op, fields)
+            try:
+                reply = self._roundtrip(op, fields)
+            except BackendUnavailable:
+                self._start_if_dead()
+                raise
             self._note_gone(reply)
             if reply["epoch"] != self._epoch:
                 if self._epoch is not None:
@@ -87,7 +105,7 @@ class LocalBackend(Backend):
         tag = self._seq.to_bytes(8, "little")
         self.rpcs += 1
         try:
-            sock.send_multipart([tag, protocol.pack({"op": op, **fields})], zmq.NOBLOCK)
+            sock.send_multipart([tag, protocol.pack({"op": op, "owner": self.owner, **fields})], zmq.NOBLOCK)
             deadline = time.monotonic() + self.timeout_s
             while (left := deadline - time.monotonic()) > 0:
                 if not sock.poll(max(1, int(left * 1000))):
@@ -123,8 +141,22 @@ class LocalBackend(Backend):
         # Otherwise (first reply, new epoch, a pool that forgot): no digests, caches drop all hits.
         self._generation = Generation(reply["epoch"], gone, recent, added)
 
+    def _start_if_dead(self) -> None:
+        """``start: auto``: a pool found dead (its socket gone, or its arena no longer held
+        by a running pool) is started again, off this thread; ``ensure_pool`` elects one
+        starter among every engine's clients. A pool that is only slow is left alone."""
+        now = time.monotonic()
+        if self.cfg.start != "auto" or now < self._next_start:
+            return
+        if os.path.exists(self.cfg.socket) and not (self._arena_path and abandoned(self._arena_path)):
+            return
+        self._next_start = now + RESTART_EVERY_S
+        threading.Thread(target=ensure_pool, args=(self.cfg, self._file.open), daemon=True,
+                         name="ascend-store-pool-start").start()
+
     def _remap(self, hello: dict, map_it: bool = True) -> None:
         mm = trust.check_arena(hello.get("arena"), hello.get("capacity"), self._uids, map_it)
+        self._arena_path = hello["arena"]
         if mm is not None:
             self._view = memoryview(mm)
             self._mapped_epoch = hello["epoch"]
@@ -154,7 +186,7 @@ class LocalBackend(Backend):
         sizes = np.asarray(sizes, dtype=np.int64)
         if not keys:
             return _NO_SLOTS
-        r = self._call("reserve", keys=keys, sizes=sizes.astype("<i8").tobytes(), owner=self.owner)
+        r = self._call("reserve", keys=keys, sizes=sizes.astype("<i8").tobytes())
         n = len(keys)
         return self._slots(_packed(r, "status", n), _packed(r, "offsets", n), sizes)
 
@@ -212,13 +244,7 @@ class LocalBackend(Backend):
             self._drop_socket()
             self._ctx.term()
         self._view = None
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(5)
-            except Exception:
-                self._proc.kill()
-            self._proc = None
+        self._file.close()  # the pool goes idle_exit_s after its last client
 
 
 def _packed(reply: dict, name: str, n: int) -> np.ndarray:

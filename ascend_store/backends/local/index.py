@@ -1,20 +1,22 @@
 """The pool's index over its arena: allocation, LRU eviction, reservations and leases.
 
 Pure bookkeeping with no I/O, so it is tested on its own. Objects are either being
-written (reserved, invisible to readers, freed if not committed in time) or ready.
-Leases pin a ready object against eviction and removal while a reader copies it out;
-a lease that is not released within its TTL is dropped, so a dead client cannot pin
-memory forever. Every ready object that goes (evicted or removed) is counted in ``gone``
-and its digest kept in a ring, so a client's cache can drop exactly what went. With a disk
-tier (tiers.py) the ``spill`` hook keeps an eviction victim on disk, and such an object is
-not gone. Commits and deletions are logged for KV events (events.py).
+written (reserved, invisible to readers) or ready. Leases pin a ready object against
+eviction and removal while a reader copies it out. Leases and reservations carry their
+client's owner id; one past its TTL is dropped only once ``alive(owner)`` says its client
+is gone (clients.py), so a dead client cannot pin memory forever and a slow live one never
+has its memory handed to another object while it still copies (clients the pool cannot
+check expire by TTL alone). Every ready object that goes (evicted or removed) is counted
+in ``gone`` and its digest kept in a ring, so a client's cache can drop exactly what went.
+With a disk tier (tiers.py) the ``spill`` hook keeps an eviction victim on disk, and such
+an object is not gone. Commits and deletions are logged for KV events (events.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,14 +31,14 @@ class _Obj:
     size: int  # bytes the client asked for
     alloc: int  # bytes taken from the arena
     ready: bool = False
-    leases: int = 0
+    leases: dict[str, int] = field(default_factory=dict)  # owner -> leases it holds
     deadline: float = 0.0  # reservation deadline, or when the last lease expires
     owner: str = ""  # the writer of a reservation
 
 
 class PoolIndex:
     def __init__(self, capacity: int, lease_ttl_s: float = 30.0, reserve_ttl_s: float = 60.0,
-                 clock=time.monotonic, gone_ring: int = 65536, spill=None):
+                 clock=time.monotonic, gone_ring: int = 65536, spill=None, alive=None):
         self.free = FreeList(capacity)
         self.lease_ttl_s = lease_ttl_s
         self.reserve_ttl_s = reserve_ttl_s
@@ -45,6 +47,9 @@ class PoolIndex:
         self._lru: OrderedDict[str, None] = OrderedDict()  # ready objects, oldest first
         self.counters = {"evictions": 0, "expired_leases": 0, "expired_reservations": 0,
                          "no_space": 0}
+        # alive(owner) -> bool: whether a client still runs (clients.py); None: none is checked.
+        self.alive = alive or (lambda owner: False)
+        self.overdue = {"overdue_leases": 0, "overdue_reservations": 0}  # as of the last reap
         self.gone = 0  # ready objects deleted so far
         self.added = 0  # objects committed so far (clients' cached misses end when it moves)
         self._gone_ring = np.zeros(gone_ring, dtype="<u8")  # their digests, by gone % size
@@ -77,11 +82,12 @@ class PoolIndex:
             out.append((Status.OK, off))
         return out
 
-    def commit(self, keys: list[str]) -> list[Status]:
+    def commit(self, keys: list[str], owner: str = "") -> list[Status]:
         out = []
         for key in keys:
             obj = self._objs.get(key)
-            if obj is None or obj.ready:
+            # Not another writer's reservation (clients that send no owner are not checked).
+            if obj is None or obj.ready or (owner and obj.owner != owner):
                 out.append(Status.MISSING)
                 continue
             obj.ready = True
@@ -92,34 +98,37 @@ class PoolIndex:
             out.append(Status.OK)
         return out
 
-    def abort(self, keys: list[str]) -> None:
+    def abort(self, keys: list[str], owner: str = "") -> None:
         for key in keys:
             obj = self._objs.get(key)
-            if obj is not None and not obj.ready:
+            if obj is not None and not obj.ready and (not owner or obj.owner == owner):
                 self._delete(key)
 
     # -- reads ----------------------------------------------------------------
     def exists(self, keys: list[str]) -> list[bool]:
         return [(o := self._objs.get(k)) is not None and o.ready for k in keys]
 
-    def lease(self, keys: list[str]) -> list[tuple[Status, int, int]]:
+    def lease(self, keys: list[str], owner: str = "") -> list[tuple[Status, int, int]]:
         now, out = self._clock(), []
         for key in keys:
             obj = self._objs.get(key)
             if obj is None or not obj.ready:
                 out.append((Status.MISSING, 0, 0))
                 continue
-            obj.leases += 1
+            obj.leases[owner] = obj.leases.get(owner, 0) + 1
             obj.deadline = now + self.lease_ttl_s
             self._lru.move_to_end(key)
             out.append((Status.OK, obj.offset, obj.size))
         return out
 
-    def release(self, keys: list[str]) -> None:
+    def release(self, keys: list[str], owner: str = "") -> None:
         for key in keys:
             obj = self._objs.get(key)
-            if obj is not None and obj.leases > 0:
-                obj.leases -= 1
+            held = 0 if obj is None else obj.leases.get(owner, 0)
+            if held > 1:
+                obj.leases[owner] = held - 1
+            elif held:
+                del obj.leases[owner]
 
     def remove(self, keys: list[str]) -> list[Status]:
         out = []
@@ -127,7 +136,7 @@ class PoolIndex:
             obj = self._objs.get(key)
             if obj is None:
                 out.append(Status.MISSING)
-            elif obj.leases > 0:
+            elif obj.leases:
                 out.append(Status.BUSY)
             else:
                 self._delete(key)
@@ -144,20 +153,30 @@ class PoolIndex:
 
     # -- upkeep ---------------------------------------------------------------
     def reap(self) -> None:
-        """Drop expired leases and reservations whose writer never committed."""
+        """Drop the leases and reservations past their TTL whose client is gone; those of
+        live clients stay (counted as overdue): their memory is never reused under them."""
         now = self._clock()
+        overdue_leases = overdue_reservations = 0
         for key, obj in list(self._objs.items()):
             if not obj.deadline or obj.deadline > now:
                 continue
             if obj.ready:
-                self.counters["expired_leases"] += obj.leases
-                obj.leases, obj.deadline = 0, 0.0
+                kept = {o: n for o, n in obj.leases.items() if self.alive(o)}
+                self.counters["expired_leases"] += sum(obj.leases.values()) - sum(kept.values())
+                obj.leases = kept
+                overdue_leases += bool(kept)
+                if not kept:
+                    obj.deadline = 0.0
+            elif self.alive(obj.owner):
+                overdue_reservations += 1
             else:
                 self.counters["expired_reservations"] += 1
                 self._delete(key)
+        self.overdue = {"overdue_leases": overdue_leases, "overdue_reservations": overdue_reservations}
 
     def list(self, prefix: str) -> list[tuple[str, int, bool, int]]:
-        return [(k, o.size, o.ready, o.leases) for k, o in self._objs.items() if k.startswith(prefix)]
+        return [(k, o.size, o.ready, sum(o.leases.values())) for k, o in self._objs.items()
+                if k.startswith(prefix)]
 
     def stats(self) -> dict:
         return {
@@ -165,8 +184,9 @@ class PoolIndex:
             "used_bytes": self.free.capacity - self.free.free_bytes,
             "objects": sum(o.ready for o in self._objs.values()),
             "reserved": sum(not o.ready for o in self._objs.values()),
-            "leases": sum(o.leases for o in self._objs.values()),
+            "leases": sum(sum(o.leases.values()) for o in self._objs.values()),
             **self.counters,
+            **self.overdue,
         }
 
     def _alloc(self, need: int) -> int | None:

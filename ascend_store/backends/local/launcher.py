@@ -1,10 +1,11 @@
-"""Find a pool at the configured socket, or start one that lives as long as this process."""
+"""Find a pool at the configured socket, or start one that serves as long as any client is open."""
 
 from __future__ import annotations
 
 import fcntl
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import zmq
 
 from ascend_store.backends.local import protocol, trust
 from ascend_store.backends.local.arena import gc_arenas
+from ascend_store.backends.local.clients import start_lock
 
 __all__ = ["ensure_pool", "gc_arenas", "ping"]
 log = logging.getLogger("ascend_store.pool")
@@ -56,14 +58,18 @@ def _log_tail(path: str, start: int) -> str:
         return f"(unreadable: {exc.strerror})"
 
 
-def ensure_pool(cfg) -> subprocess.Popen | None:
-    """Start a pool at ``cfg.socket`` unless one answers; return the process we started.
+def ensure_pool(cfg, attach=None) -> int | None:
+    """Start a pool at ``cfg.socket`` unless one answers; return the pid of the pool we started.
 
     Nothing is adopted or started where the trust checks fail (trust.py): the client then
-    refuses the pool with one clear error and requests recompute. A lock file next to the
-    socket makes concurrent starters (scheduler and workers of one engine, or several
-    engines) agree on one pool. The child exits when this process does. Failing to start
-    is logged once per socket with the tail of the pool's own log, not raised.
+    refuses the pool with one clear error and requests recompute. ``attach()`` (the
+    client's lock file, clients.py) runs first: a pool deciding to exit for want of
+    clients sees it, or holds the lock file next to the socket until it is gone, so we
+    start another. That lock also makes concurrent starters (scheduler and workers of one
+    engine, or several engines) agree on one pool. The pool runs in a session of its own
+    and exits ``cfg.idle_exit_s`` after its last client is gone, whichever client started
+    it. Failing to start is logged once per socket with the tail of the pool's own log,
+    not raised.
     """
     uids = trust.trusted_uids(cfg.trusted_uid)
     if cfg.socket in _failed:
@@ -75,9 +81,11 @@ def ensure_pool(cfg) -> subprocess.Popen | None:
     except trust.UntrustedPool as exc:
         log.debug("not starting a pool: %s", exc)  # the client reports it on its first call
         return None
+    if attach is not None:
+        attach()
     if ping(cfg.socket):
         return None
-    lock = _open_private(cfg.socket + ".lock", os.O_WRONLY)
+    lock = start_lock(cfg.socket)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if ping(cfg.socket):
@@ -87,10 +95,22 @@ def ensure_pool(cfg) -> subprocess.Popen | None:
         os.close(lock)
 
 
-def _start(cfg) -> subprocess.Popen | None:
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _start(cfg) -> int | None:
+    """Start a pool and return its pid once it answers. It is started through ``sh``, which
+    exits at once, so the pool is no descendant of this process: vLLM's shutdown kills
+    every descendant of the engine with SIGKILL, which would leave the arena behind and end
+    the pool under the other engines using it."""
     cmd = [sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", cfg.socket,
            "--capacity", str(cfg.capacity), "--lease-ttl", str(cfg.lease_ttl_s),
-           "--parent-pid", str(os.getpid())]
+           "--idle-exit", str(cfg.idle_exit_s)]
     if cfg.disk_path:
         cmd += ["--disk-path", cfg.disk_path, "--disk-capacity", str(cfg.disk_capacity)]
     # The pool must not hold the engine's stdout/stderr open (a supervisor reading them
@@ -99,23 +119,24 @@ def _start(cfg) -> subprocess.Popen | None:
     log_fd = _open_private(log_path, os.O_WRONLY | os.O_APPEND)
     try:
         start = os.fstat(log_fd).st_size
-        proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=log_fd)
+        trampoline = subprocess.run(["sh", "-c", '"$@" </dev/null >/dev/null & echo $!', "sh", *cmd],
+                                    start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=log_fd, text=True, timeout=START_TIMEOUT_S)
     finally:
         os.close(log_fd)
+    pid = int(trampoline.stdout.strip() or 0)
     deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
+    while pid and time.monotonic() < deadline:
         if ping(cfg.socket):
-            log.info("started an embedded pool (pid %d) at %s", proc.pid, cfg.socket)
-            return proc
-        if proc.poll() is not None:
+            log.info("started an embedded pool (pid %d) at %s", pid, cfg.socket)
+            return pid
+        if not _alive(pid):
             break
         time.sleep(0.05)
-    exited = proc.poll()
-    if exited is None:
-        proc.kill()
-        proc.wait()
-    status = f"no answer within {START_TIMEOUT_S:.0f} s" if exited is None else f"exit status {exited}"
+    running = pid and _alive(pid)
+    if running:
+        os.kill(pid, signal.SIGKILL)
+    status = f"no answer within {START_TIMEOUT_S:.0f} s" if running else "it exited"
     _failed.add(cfg.socket)
     log.warning("could not start a pool at %s (%s); requests will recompute. Its log %s ends with:\n%s",
                 cfg.socket, status, log_path, _log_tail(log_path, start))

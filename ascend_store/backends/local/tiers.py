@@ -24,8 +24,9 @@ log = logging.getLogger("ascend_store.pool")
 
 
 class TieredIndex:
-    def __init__(self, capacity: int, arena: memoryview, disk: DiskTier, lease_ttl_s: float = 30.0):
-        self.mem = PoolIndex(capacity, lease_ttl_s=lease_ttl_s, spill=self._spill)
+    def __init__(self, capacity: int, arena: memoryview, disk: DiskTier, lease_ttl_s: float = 30.0,
+                 alive=None):
+        self.mem = PoolIndex(capacity, lease_ttl_s=lease_ttl_s, spill=self._spill, alive=alive)
         self.disk = disk
         self.events = self.mem.events
         self._arena = arena
@@ -70,21 +71,21 @@ class TieredIndex:
         got = iter(self.mem.reserve([k for k, _ in todo], [s for _, s in todo], owner=owner))
         return [(Status.EXISTS, 0) if d else next(got) for d in on_disk]
 
-    def commit(self, keys: list[str]) -> list[Status]:
-        return self.mem.commit(keys)
+    def commit(self, keys: list[str], owner: str = "") -> list[Status]:
+        return self.mem.commit(keys, owner)
 
-    def abort(self, keys: list[str]) -> None:
-        self.mem.abort(keys)
+    def abort(self, keys: list[str], owner: str = "") -> None:
+        self.mem.abort(keys, owner)
 
-    def lease(self, keys: list[str]) -> list[tuple[Status, int, int]]:
+    def lease(self, keys: list[str], owner: str = "") -> list[tuple[Status, int, int]]:
         # Memory hits are leased (pinned) first, so promoting the rest cannot spill them.
-        out = self.mem.lease(keys)
+        out = self.mem.lease(keys, owner)
         for i, key in enumerate(keys):
             if out[i][0] == Status.MISSING and key in self.disk:
-                out[i] = self._promote(key)
+                out[i] = self._promote(key, owner)
         return out
 
-    def _promote(self, key: str) -> tuple[Status, int, int]:
+    def _promote(self, key: str, owner: str) -> tuple[Status, int, int]:
         size = self.disk.size(key)
         status, offset = self.mem.reserve([key], [size])[0]
         if status != Status.OK:  # the arena is full of leased objects: try again later
@@ -99,10 +100,10 @@ class TieredIndex:
         self.events.add(REMOVED, DISK, key)
         self.mem.commit([key])
         self.counters["promoted"] += 1
-        return self.mem.lease([key])[0]
+        return self.mem.lease([key], owner)[0]
 
-    def release(self, keys: list[str]) -> None:
-        self.mem.release(keys)
+    def release(self, keys: list[str], owner: str = "") -> None:
+        self.mem.release(keys, owner)
 
     def remove(self, keys: list[str]) -> list[Status]:
         out = self.mem.remove(keys)

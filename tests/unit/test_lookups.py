@@ -1,0 +1,125 @@
+"""The scheduler's lookups (lookups.py) against a real local pool: one call per step for
+every request asked in it, answers from the cache without a call, and a frozen pool that
+costs a request at most the deadline and the engine's thread nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from ascend_store.backends.base import Status
+from ascend_store.backends.guard import GuardedBackend
+from ascend_store.hit_cache import BlockHitCache
+from ascend_store.keys import KeySpace
+from ascend_store.lookups import TAIL_TAG, LookupState, PoolLookups
+from ascend_store.stats import IntervalCounters
+
+KS = KeySpace("ns", "tp0of1")
+
+
+def _store(client, keys: list[str]) -> None:
+    slots = client.reserve(keys, [64] * len(keys))
+    assert all(s.status is Status.OK for s in slots)
+    assert client.commit(keys) == [Status.OK] * len(keys)
+
+
+def _lookups(guard, deadline_s: float = 0.2, cache: bool = True) -> PoolLookups:
+    return PoolLookups(guard, [KS], [0], [], BlockHitCache() if cache else None, IntervalCounters(),
+                       deadline_s)
+
+
+def _no_tails(c: int) -> list[str]:
+    return []
+
+
+def _until_answered(lk: PoolLookups, states, chains, timeout_s: float = 5.0):
+    """Ask every request each 'step' until all are answered; returns the hits and steps."""
+    hits: list = [None] * len(states)
+    steps = 0
+    deadline = time.monotonic() + timeout_s
+    while any(h is None for h in hits):
+        assert time.monotonic() < deadline, "lookups never answered"
+        for i, (st, chain) in enumerate(zip(states, chains)):
+            if hits[i] is None:
+                hits[i] = lk.lookup(st, chain, 0, len(chain), _no_tails)
+        lk.flush()
+        steps += 1
+        time.sleep(0.005)
+    return hits, steps
+
+
+def test_requests_of_one_step_share_one_call_and_cached_ones_none(pool):
+    client = pool.client()
+    guard = GuardedBackend(client, "test pool")
+    lk = _lookups(guard)
+    shared = [f"{i:032x}" for i in range(4)]
+    chains = [shared + [f"{100 + r:030x}{j:02x}" for j in range(2)] for r in range(8)]
+    _store(client, [KS.key(0, h) for h in shared + chains[0][4:]])
+    states = [LookupState() for _ in chains]
+    hits, _ = _until_answered(lk, states, chains)
+    assert [h.chunks for h in hits] == [6] + [4] * 7
+    assert guard.calls["lookup"] == 1  # eight requests, 16 distinct keys, one call
+    assert lk.counters.total["lookup_rpcs"] == 1
+    # Asked again (new requests, same prompts): the cache answers, no call.
+    again, steps = _until_answered(lk, [LookupState() for _ in chains], chains)
+    assert [h.chunks for h in again] == [6] + [4] * 7 and steps == 1
+    assert guard.calls["lookup"] == 1
+    lk.close()
+    guard.close()
+
+
+def test_a_partial_hit_asks_its_tails_in_a_second_round(pool):
+    client = pool.client()
+    guard = GuardedBackend(client, "test pool")
+    lk = _lookups(guard)
+    chain = [f"{i:032x}" for i in range(4)]
+    tails = {c: [f"{c:02x}{k:030x}" for k in range(1, 4)] for c in range(5)}
+    _store(client, [KS.key(0, h) for h in chain[:2]] + [KS.key(0, tails[2][1])])
+    st = LookupState()
+    hit = None
+    while hit is None:
+        hit = lk.lookup(st, chain, 0, 4, lambda c: tails[c])
+        lk.flush()
+        time.sleep(0.01)
+    assert (hit.chunks, hit.tail) == (2, (tails[2][1], 2))
+    assert guard.calls["lookup"] == 2  # chunks (and tails at 0 and 4), then the tails at 2
+    assert lk.cache.get(TAIL_TAG + tails[2][0]) is False
+    lk.close()
+    guard.close()
+
+
+def test_a_frozen_pool_costs_a_request_the_deadline_and_the_thread_nothing(pool):
+    client = pool.client(timeout_s=2.0)
+    guard = GuardedBackend(client, "test pool")
+    lk = _lookups(guard, deadline_s=0.2)
+    chain = [f"{i:032x}" for i in range(3)]
+    os.kill(pool.pid, signal.SIGSTOP)
+    try:
+        st = LookupState()
+        t0 = time.monotonic()
+        slowest = 0.0
+        hit = None
+        while hit is None:
+            t = time.monotonic()
+            hit = lk.lookup(st, chain, 0, 3, _no_tails)
+            lk.flush()
+            slowest = max(slowest, time.monotonic() - t)
+            time.sleep(0.01)
+        waited = time.monotonic() - t0
+        assert hit.chunks == 0 and 0.2 <= waited < 1.0
+        assert slowest < 0.05  # no call on this thread ever waited for the pool
+        assert lk.counters.total["lookup_timeouts"] == 1
+        # The thread is still stuck in that call: the next request misses at once.
+        t = time.monotonic()
+        assert lk.lookup(LookupState(), chain, 0, 3, _no_tails).chunks == 0
+        assert time.monotonic() - t < 0.05
+        assert lk.counters.total["lookups_skipped"] == 1
+    finally:
+        os.kill(pool.pid, signal.SIGCONT)
+    _store(client, [KS.key(0, h) for h in chain])
+    time.sleep(0.6)  # the breaker's first backoff
+    hits, _ = _until_answered(lk, [LookupState()], [chain])
+    assert hits[0].chunks == 3  # back
+    lk.close()
+    guard.close()
