@@ -1,8 +1,10 @@
-"""ascend-store: run and inspect a standalone local KV pool, and benchmark an OpenAI server.
+"""ascend-store: run and inspect a standalone local KV pool, check a --kv-transfer-config,
+and benchmark an OpenAI server.
 
 Exit codes: 0 done; 1 the command could not do its job (no pool or server answers, a
-missing optional package); 2 bad command line or input file; 130 interrupted. Every
-failure a user can cause prints one paragraph to stderr, never a traceback.
+missing optional package, an invalid config); 2 bad command line or input file; 130
+interrupted; 141 its output went to a pipe that was closed (| head). Every failure a user
+can cause prints one paragraph to stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ import argparse
 import json
 import logging
 import os
+import socket
+import stat
 import sys
+from dataclasses import asdict
 
-from ascend_store.config import ConfigError, LocalPoolConfig, default_socket_path, parse_size
+from ascend_store.config import ConfigError, LocalPoolConfig, StoreConfig, default_socket_path, parse_size
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a tool that SIGPIPE stopped
 GIB = 2**30
 
 
@@ -80,8 +86,18 @@ def _socket_arg(p: argparse.ArgumentParser) -> None:
                    help="the pool's Unix socket (engines use the same default)")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ascend-store")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, never installed
+        return "unknown (not installed)"
+
+
 def _parser() -> _Parser:
     p = _Parser(prog="ascend-store", description=__doc__)
+    p.add_argument("--version", action="version", version=f"ascend-store {_version()}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
     pool = sub.add_parser("pool", help="run, inspect and clean up a standalone local pool",
                           description="A standalone local pool: one process that engines on this host "
@@ -92,13 +108,18 @@ def _parser() -> _Parser:
     serve = pool_sub.add_parser("serve", help="run a standalone pool in the foreground",
                                 description="Run a standalone pool in the foreground until SIGTERM or "
                                 "Ctrl-C. Its arena lives in /dev/shm (or beside the socket when "
-                                "/dev/shm is too small); it logs to stderr.")
+                                "/dev/shm is too small); it logs to stderr. The socket's directory is "
+                                "created 0700; an existing one must be this user's, with mode 0700.")
     _socket_arg(serve)
     serve.add_argument("--capacity", default="8GiB", metavar="SIZE",
                        help="arena size, like 64GiB or 512MB; refused above the machine's memory "
                        "unless --force")
     serve.add_argument("--lease-ttl", type=_seconds, default=30.0, metavar="SECONDS",
-                       help="a reader's lease on an object expires after this long")
+                       help="a reader's lease on an object expires after this long, once the "
+                       "reader's process is gone (a live reader keeps it until it releases it)")
+    serve.add_argument("--idle-exit", type=_seconds, default=None, metavar="SECONDS",
+                       help="exit this long after the last client process has gone (how engines "
+                       "run the pool they start; default: run until stopped)")
     serve.add_argument("--disk-path", default=None, metavar="DIR",
                        help="a disk tier: objects evicted from memory go to files in this directory "
                        "(created 0700; one pool per directory) and are read back when hit; they "
@@ -123,6 +144,16 @@ def _parser() -> _Parser:
                              "killed with SIGKILL leaves its arena in /dev/shm) and print their paths.")
     gc.add_argument("--dir", default=None, metavar="DIR",
                     help="look only in this directory (default: where pools put arenas)")
+
+    check = sub.add_parser(
+        "check-config", help="validate a --kv-transfer-config as an engine's start-up does",
+        description="Validate the value an engine gets as --kv-transfer-config with the checks vLLM "
+        "runs at start-up when this connector is installed (vLLM's own fields, then "
+        "kv_connector_extra_config), for this machine's device. Prints the resolved config as "
+        "JSON, every key with its value or default (exit 0), or the one error message (exit 1; "
+        "2 when the JSON cannot be read). Loads vLLM's config code, which takes seconds.")
+    check.add_argument("config", metavar="JSON", help="the whole --kv-transfer-config value, or @FILE "
+                       "to read it from a file")
 
     from ascend_store.bench.workloads import WORKLOADS, Shape
 
@@ -185,10 +216,27 @@ def check_capacity(text: str, force: bool, memory: int | None) -> int:
         raise UserError(f"ascend-store pool serve: {exc}", EXIT_USAGE) from None
     if memory and capacity > memory and not force:
         raise UserError(f"ascend-store pool serve: --capacity {text} is {capacity / GIB:.1f} GiB but this "
-                        f"machine has {memory / GIB:.1f} GiB of memory; the pool would swap or be killed "
-                        "when it fills. Give a smaller --capacity, or pass --force to create it anyway.",
+                        f"machine has {memory / GIB:.1f} GiB of memory; the arena is reserved in full at "
+                        "start, so it would not fit or would push the machine into swap. Give a smaller "
+                        "--capacity, or pass --force to create it anyway.",
                         EXIT_USAGE)
     return capacity
+
+
+def check_socket_dir(socket_path: str) -> None:
+    """An existing socket directory must be ours and 0700 already: the pool creates a
+    missing one 0700, but never changes one it did not create (a --socket in a home
+    directory would otherwise close that directory to everyone)."""
+    d = os.path.dirname(os.path.abspath(socket_path))
+    st = os.lstat(d) if os.path.lexists(d) else None
+    mode = st and stat.S_IMODE(st.st_mode)
+    if st is None or stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and mode == 0o700:
+        return
+    found = "a symlink" if stat.S_ISLNK(st.st_mode) else f"mode {mode:04o}, uid {st.st_uid}"
+    raise UserError(f"ascend-store pool serve: the socket's directory {d} must be a directory owned by "
+                    f"this user (uid {os.getuid()}) with mode 0700 ({found}); the pool does not change a "
+                    f"directory it did not create: 'chmod 700 {d}', or give a --socket in a new directory "
+                    "(created 0700).", EXIT_USAGE)
 
 
 def _serve(args) -> int:
@@ -200,29 +248,49 @@ def _serve(args) -> int:
         disk_capacity = parse_size(args.disk_capacity, "--disk-capacity")
     except ConfigError as exc:
         raise UserError(f"ascend-store pool serve: {exc}", EXIT_USAGE) from None
+    check_socket_dir(args.socket)
     running = ping(args.socket)
     if running:
         raise UserError(f"ascend-store pool serve: a pool already answers at {args.socket} "
                         f"(pid {running.get('pid', '?')}); stop it first or give another --socket.")
     try:
         serve(args.socket, capacity, lease_ttl_s=args.lease_ttl, parent_pid=args.parent_pid,
-              disk_path=args.disk_path, disk_capacity=disk_capacity)
+              disk_path=args.disk_path, disk_capacity=disk_capacity, idle_exit_s=args.idle_exit)
     except OSError as exc:
         raise UserError(f"ascend-store pool serve: cannot create the pool at {args.socket}: {exc}") from None
     return 0
+
+
+def _nobody_listens(path: str) -> bool:
+    """A socket file no process listens on (its pool was killed): a connect is refused at
+    once, where the pool's client would wait for its deadline."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # missing, not a socket, not ours: the client says which
+            pass
+    return False
 
 
 def _query_pool(args) -> int:
     from ascend_store.backends.base import BackendUnavailable
     from ascend_store.backends.local.client import LocalBackend
 
+    def no_pool(why: str) -> UserError:
+        return UserError(f"ascend-store pool {args.pool_cmd}: {why}. Start one with 'ascend-store pool "
+                         f"serve --socket {args.socket}', or give the --socket an engine uses.")
+
+    if _nobody_listens(args.socket):
+        raise no_pool(f"no pool at {args.socket} (the socket file is left from a pool that is gone)")
     client = LocalBackend(LocalPoolConfig(socket=args.socket, start="never"), timeout_s=2.0, map_arena=False)
     try:
         out = client.stats() if args.pool_cmd == "status" else [
             {"key": k, "bytes": n, "ready": r, "leases": le} for k, n, r, le in client.list(args.prefix)]
     except BackendUnavailable as exc:
-        raise UserError(f"ascend-store pool {args.pool_cmd}: {exc}. Start one with 'ascend-store pool "
-                        f"serve --socket {args.socket}', or give the --socket an engine uses.") from None
+        raise no_pool(str(exc)) from None
     finally:
         client.close()
     print(json.dumps(out, indent=2))
@@ -232,6 +300,9 @@ def _query_pool(args) -> int:
 def _gc(args) -> int:
     from ascend_store.backends.local.launcher import gc_arenas
 
+    if args.dir is not None and not os.path.isdir(args.dir):
+        why = "not a directory" if os.path.exists(args.dir) else "no such directory"
+        raise UserError(f"ascend-store pool gc: --dir {args.dir}: {why}", EXIT_USAGE)
     try:
         removed = gc_arenas(args.dir)
     except OSError as exc:
@@ -239,6 +310,52 @@ def _gc(args) -> int:
     for path in removed:
         print(path)
     print(f"removed {len(removed)} arena(s)", file=sys.stderr)
+    return 0
+
+
+def _read_config(arg: str) -> dict:
+    """``check-config``'s JSON: given inline, or ``@FILE``."""
+    where, text = (arg[1:], None) if arg.startswith("@") else ("the argument", arg)
+    try:
+        if text is None:
+            with open(where) as f:
+                text = f.read()
+        raw = json.loads(text)
+    except OSError as exc:
+        raise UserError(f"ascend-store check-config: cannot read {where}: {exc.strerror}", EXIT_USAGE) \
+            from None
+    except ValueError as exc:  # a file that is not text, too
+        raise UserError(f"ascend-store check-config: {where} is not JSON: {exc}", EXIT_USAGE) from None
+    if not isinstance(raw, dict):
+        raise UserError(f"ascend-store check-config: {where} must be a JSON object like "
+                        f"{{\"kv_connector\": ...}}, got {type(raw).__name__}", EXIT_USAGE)
+    return raw
+
+
+def _check_config(args) -> int:
+    from ascend_store.plugin import check_engine_args, names_this_connector
+
+    raw = _read_config(args.config)
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # its import's notes are not about the config
+    if not names_this_connector(raw):
+        raise UserError(f"ascend-store check-config: kv_connector {raw.get('kv_connector')!r} (module "
+                        f"{raw.get('kv_connector_module_path')!r}) is not AscendStoreConnector of "
+                        "ascend_store: an engine would not load this connector")
+    try:
+        check_engine_args(raw)  # what the plugin runs in vLLM's start-up
+    except ConfigError as exc:
+        raise UserError(" ".join(str(exc).split())) from None  # pydantic's message spans lines
+    from vllm.config import KVTransferConfig  # imported by the check: vLLM's defaults, resolved
+
+    ktc = KVTransferConfig(**raw)
+    out = {k: getattr(ktc, k) for k in ("kv_connector", "kv_connector_module_path", "kv_role",
+                                        "kv_load_failure_policy")}
+    out["kv_connector_extra_config"] = asdict(StoreConfig.parse(ktc.kv_connector_extra_config))
+    print(json.dumps(out, indent=2))
+    from vllm.platforms import current_platform  # copy_path auto's rules depend on the device
+
+    print(f"ascend-store check-config: valid for an engine on this machine ({current_platform.device_type})",
+          file=sys.stderr)
     return 0
 
 
@@ -284,12 +401,17 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.cmd is None or (args.cmd == "pool" and args.pool_cmd is None):
             prog = "ascend-store" + (" pool" if args.cmd else "")
-            choices = "serve, status, inspect or gc" if args.cmd else "pool or bench"
+            choices = "serve, status, inspect or gc" if args.cmd else "pool, check-config or bench"
             raise UserError(f"{prog}: choose a command: {choices} (see '{prog} --help')", EXIT_USAGE)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        if args.cmd == "bench":
-            return _bench(args)
-        return {"serve": _serve, "gc": _gc}.get(args.pool_cmd, _query_pool)(args)
+        run = {"bench": _bench, "check-config": _check_config}.get(args.cmd) \
+            or {"serve": _serve, "gc": _gc}.get(args.pool_cmd, _query_pool)
+        code = run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in Python's own flush at exit
+        return code
+    except BrokenPipeError:  # the reader went (| head): stop quietly, as tools stopped by SIGPIPE do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except UserError as exc:
         print(str(exc), file=sys.stderr)
         return exc.code

@@ -77,14 +77,11 @@ class DeviceSaves:
         return QueuedSave(objs, self.dev.record(self.save_stream), sums, keep)
 
     def finish_saves(self, qs: list[QueuedSave]) -> list[np.ndarray]:
-        """``finish_save`` for a step's layers at once (one numpy pass per shared plan)."""
+        """Wait for a step's queued layer saves; returns each one's objects' folded word
+        checksums (one numpy pass per shared plan)."""
         for q in qs:
             if q.done is not None:
                 q.done.synchronize()
         with self.dev.use(self.save_stream):  # not behind the compute stream's queued work
             got = fold_alike([q.sums for q in qs])
         return [g[0] for g in got]
-
-    def finish_save(self, q: QueuedSave) -> list[int]:
-        """Wait for a queued save; returns each object's folded word checksum."""
-        return self.finish_saves([q])[0].tolist()

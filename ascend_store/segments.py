@@ -21,7 +21,7 @@ import torch
 
 from ascend_store import kernels
 from ascend_store.checksum import fold_array
-from ascend_store.transfer import HEADER_BYTES, LayerLayout, storage_view
+from ascend_store.transfer import LayerLayout, storage_view
 
 WORD = kernels.WORD
 ALIGN_WORDS = 2  # 16 bytes: the alignment Triton specializes pointers on
@@ -188,16 +188,6 @@ class CopyPlanner:
             got = self._copies[key] = LayerCopy(src, dst, seg_words, obj_of_seg, payload,
                                                 self.pages.n_objects)
         return got
-
-
-def plan_objects(plan: PagePlan, objects: list[tuple[int, list[int], int]], load: bool,
-                 header: int = HEADER_BYTES) -> LayerCopy:
-    """``objects``: (byte offset of the object, block ids, pages to skip); its payload
-    starts ``header`` bytes further. A load copies objects -> cache (skipped pages are
-    read for the checksum only: dst -1); a save copies cache -> objects."""
-    pages = StepPages.of([b for _, b, _ in objects], [k for _, _, k in objects])
-    offs = np.asarray([o for o, _, _ in objects], dtype=np.int64) + header
-    return CopyPlanner(pages).layer(plan, offs, load)
 
 
 def run_copy(copy: LayerCopy, src, dst, device: torch.device) -> torch.Tensor:

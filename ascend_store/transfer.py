@@ -214,18 +214,6 @@ def layer_salts(layer_ids) -> np.ndarray:
                                   for i in layer_ids), dtype="<u8").copy()
 
 
-def header_faults(host: np.ndarray, offsets: list[int], sizes: list[int], keys: list[str],
-                  layout: LayerLayout, blocks_per_chunk: int, checksum: bool, codec,
-                  wsum_later: bool = False) -> tuple[list[str | None], np.ndarray]:
-    """``check_headers`` for objects named by ``keys`` (no layer salt), of at most
-    ``blocks_per_chunk`` blocks."""
-    expect = np.frombuffer(fingerprints(keys, layout, codec.name), dtype="<u8")
-    limit = np.full(len(offsets), codec.payload_bytes(layout, blocks_per_chunk), dtype=np.int64)
-    codes, h = check_headers(host, np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64),
-                             expect, limit, checksum, codec, wsum_later)
-    return fault_messages(codes, h, sizes, limit, keys.__getitem__), h
-
-
 FAULTS = ("size {size} does not fit {limit}", "bad header", "stored for another key or cache layout",
           "payload length {n} does not fit the object", "written without a checksum", "checksum mismatch")
 

@@ -1,4 +1,4 @@
-"""Time to first token on a GPU: pool hits against recompute and the peers (issue 9).
+"""Time to first token on a GPU: pool hits against recompute and the peers.
 
 For a random-weight Llama of a given geometry (vLLM's dummy weights, the same in every
 engine), prompts of 4K/16K/32K random tokens, ``max_tokens=1``, each configuration in a
@@ -33,7 +33,9 @@ per event), the engine core in its own process or, with
 ``--inprocess``, on the caller's thread. ``--profile DIR`` runs in one process and writes
 a cProfile summary of the timed repetitions per prompt length to DIR. In-process TTFTs
 lack the IPC and, with ``--profile``, carry the profiler's overhead: compare
-configurations, not these numbers with the table's. ``--graphs`` runs vLLM with its CUDA
+configurations, not these numbers with the table's. ``--check`` exits 1 when a
+configuration failed or any hit's first token is not recompute's (``make gpu-test``).
+``--graphs`` runs vLLM with its CUDA
 graphs (its default) instead of eager; ``--scrub`` overwrites the KV cache with a constant
 after every prefix cache reset, so a hit's first token can come only from its load (a
 reset frees blocks without clearing them: the prompt's own KV would still be there).
@@ -505,6 +507,8 @@ def main() -> None:
     ap.add_argument("--scrub", action="store_true",
                     help="overwrite the KV cache (a constant) after each prefix cache reset")
     ap.add_argument("--package", help="import ascend_store from this checkout (an A/B of the connector)")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 when a configuration failed or a hit's first token is not recompute's")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
@@ -595,6 +599,11 @@ def main() -> None:
     report(results, args.tokens)
     if args.plot:
         plot(results, args.tokens, args.plot)
+    if args.check:
+        bad = [k for k, r in results["runs"].items() if "error" in r or same_token(
+            r, results["runs"].get(k.split("/")[0] + "/recompute", {}), args.tokens) is False]
+        if bad:
+            sys.exit(f"check failed: {', '.join(bad)} (an error, or not recompute's first token)")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Under vLLM's full graphs a full pool hit's whole load must land before the graph's replay
 (docs/architecture.md), so the one-token forward runs after the last byte: about 6 ms at
-7B 32K on an H100 (docs/benchmarks.md, nineteenth pass). A wait captured inside the graph
+7B 32K on an H100 (docs/benchmarks.md, its 7B 32K trace). A wait captured inside the graph
 on an event recorded outside it (``torch.cuda.Event(external=True)``: an event-wait node)
 would let layer i's part of the graph wait for layer i's copy only. This probe checks it
 with a synthetic forward (per layer: a GEMV over the layer's weights, then a read of that

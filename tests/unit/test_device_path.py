@@ -19,11 +19,10 @@ from ascend_store.transfer import (
     FLAG_WSUM,
     HEADER_BYTES,
     LayerLayout,
-    header_faults,
     object_bytes,
     seal,
 )
-from tests.unit.objects import read_object
+from tests.unit.objects import finish_save, header_faults, read_object
 
 NB, T, H, D = 12, 16, 2, 64
 RAW = get_codec("raw")
@@ -77,7 +76,7 @@ def test_save_then_load_through_the_pinned_arena(device, reverse):
     after = path.dev.record()  # the compute stream's point after the layer wrote its KV
     for name, o in objs.items():
         q = path.save_layer(arena, o, after)
-        for key, off, size, wsum in zip(o.keys, o.offsets, o.sizes, path.finish_save(q)):
+        for key, off, size, wsum in zip(o.keys, o.offsets, o.sizes, finish_save(path, q)):
             seal(arena[off:off + size], size - HEADER_BYTES, layouts[name], key, RAW, True, wsum=wsum)
 
     # The host path reads (and checks) what the batched path wrote.
@@ -116,7 +115,7 @@ def test_a_flipped_byte_fails_only_its_object(device):
     arena = path.arena(1, mmap.mmap(-1, total))
     for name, o in objs.items():
         q = path.save_layer(arena, o, path.dev.record())
-        for key, off, size, wsum in zip(o.keys, o.offsets, o.sizes, path.finish_save(q)):
+        for key, off, size, wsum in zip(o.keys, o.offsets, o.sizes, finish_save(path, q)):
             seal(arena[off:off + size], size - HEADER_BYTES, layouts[name], key, RAW, True, wsum=wsum)
     o = objs["b"]
     arena[o.offsets[1] + HEADER_BYTES + 1000] ^= 0x04
@@ -147,7 +146,7 @@ def test_a_batch_of_layers_loads_from_chunk_objects_with_one_plan(device):
     path = DevicePath(torch.device(device), layouts)
     arena = path.arena(1, mmap.mmap(-1, 3 * stride))
     for o in objs:
-        for key, off, wsum in zip(o.keys, o.offsets, path.finish_save(path.save_layer(arena, o, None))):
+        for key, off, wsum in zip(o.keys, o.offsets, finish_save(path, path.save_layer(arena, o, None))):
             seal(arena[off:off + part], part - HEADER_BYTES, layouts[o.name], key, RAW, True, wsum=wsum)
             o.stored = None
     sealed = arena.numpy().copy()
@@ -210,7 +209,7 @@ def test_first_batches_staged_while_the_rest_is_planned_land_in_order(device, mo
     path = DevicePath(torch.device(device), layouts)
     arena = path.arena(1, mmap.mmap(-1, 2 * stride))
     for o in objs:
-        for key, off, wsum in zip(o.keys, o.offsets, path.finish_save(path.save_layer(arena, o, None))):
+        for key, off, wsum in zip(o.keys, o.offsets, finish_save(path, path.save_layer(arena, o, None))):
             seal(arena[off:off + part], part - HEADER_BYTES, layouts[o.name], key, RAW, True, wsum=wsum)
     arena[objs[3].offsets[0] + HEADER_BYTES + 64] ^= 0x01  # layer L3's part of object 0
 
@@ -267,7 +266,7 @@ def test_int8_layers_match_the_host_codec_both_ways(device):
     arena = path.arena(1, mmap.mmap(-1, 4 * slot))
     for name, o in objs.items():
         q = path.save_layer(arena, o, path.dev.record())
-        for key, off, wsum in zip(o.keys, o.offsets, path.finish_save(q)):
+        for key, off, wsum in zip(o.keys, o.offsets, finish_save(path, q)):
             seal(arena[off:off + size], size - HEADER_BYTES, layouts[name], key, int8, True, wsum=wsum)
 
     host = {n: LayerLayout(lay.tensor.cpu(), lay.block_dim, lay.kv_dims) for n, lay in layouts.items()}
@@ -342,7 +341,7 @@ def test_steps_of_any_size_compile_no_kernel_after_warm_up():
             o = LayerObjects("a", [i * slot for i in range(n)], [size] * n, blocks, [0] * n,
                              [f"k/{i}" for i in range(n)])
             arena = path.arena(n, mmap.mmap(-1, n * slot))
-            for key, off, wsum in zip(o.keys, o.offsets, path.finish_save(path.save_layer(arena, o, None))):
+            for key, off, wsum in zip(o.keys, o.offsets, finish_save(path, path.save_layer(arena, o, None))):
                 seal(arena[off:off + size], size - HEADER_BYTES, layouts["a"], key, codec, True, wsum=wsum)
             faults, h = header_faults(arena.numpy(), o.offsets, o.sizes, o.keys, layouts["a"], per, True,
                                       codec, wsum_later=True)

@@ -14,7 +14,7 @@ import torch
 
 from ascend_store.checksum import wsum_host
 from ascend_store.codecs import get_codec
-from ascend_store.segments import fold_alike, page_plan, plan_objects, run_copy, storage_words, to_device_rows
+from ascend_store.segments import fold_alike, page_plan, run_copy, storage_words, to_device_rows
 from ascend_store.transfer import (
     HEADER_BYTES,
     CorruptObject,
@@ -23,7 +23,7 @@ from ascend_store.transfer import (
     seal,
     write_object,
 )
-from tests.unit.objects import read_object
+from tests.unit.objects import plan_objects, read_object
 
 NB, T, H, D = 8, 16, 2, 8
 RAW = get_codec("raw")
