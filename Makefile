@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE := 1
 export VLLM_CPU_OMP_THREADS_BIND := 0
 
-.PHONY: setup demo test lint install-check
+.PHONY: setup demo test lint install-check gpu-test
 
 # What the demo needs: this package and vLLM for CPU.
 $(VENV)/.demo: pyproject.toml setup.py
@@ -84,3 +84,9 @@ install-check:
 	$(CHECK_VENV)/bin/python -c 'import vllm'
 	$(CHECK_VENV)/bin/python tests/install/readme_serve.py
 	rm -rf $(CHECK_VENV) build  # a build/ left by an earlier build could bring stale files into the wheel
+
+# On a CUDA machine (never in CI): the CUDA-only unit tests and a real-engine hit check, with
+# the Python that has torch and vLLM (GPU_PYTHON, default python3); output also in
+# benchmarks/results/gpu_test.txt (tests/gpu_test.sh).
+gpu-test:
+	bash tests/gpu_test.sh

@@ -2,14 +2,14 @@
 
 One ``lease`` of the step's chunk objects (one per chunk and KV cache group, every layer
 inside: worker_context.py), one numpy pass over every layer part's header (key, layer,
-layout, codec, size), then the pages move layer by layer. On accelerators the copies
-are queued on side streams from the forward's own thread, in batches of layers
-(device_path.py: one plan per step): all from ``start`` for a short step, else each
-batch from the ``wait`` of the layer before it; ``wait`` makes the compute stream wait on
-the event of that layer's batch, and no thread hands anything over while the forward
-runs (it would take the GIL from it). On CPU a background
-thread copies layer by layer, and ``wait`` waits for its layer, at most ``load_timeout_s``:
-then the load is given up and its thread stops before its next write (host_loads.py).
+layout, codec, size), then the pages move layer by layer. The lease runs on the load
+thread, never on the forward's. On accelerators that thread then queues the copies on a
+side stream in batches of layers (device_path.py: one plan per step): all of them for a
+short step, else the first ones, and the forward's thread queues each later batch from
+the ``wait`` of the layer before it (once the plan is there); ``wait`` makes the compute
+stream wait on the event of that layer's batch. On CPU the load thread copies layer by
+layer, and ``wait`` waits for its layer, at most ``load_timeout_s``: then the load is
+given up and its thread stops before its next write (host_loads.py).
 Missing or corrupt objects mark their chunk failed; ``errors`` reports their blocks (a
 given-up load's once no write of it is under way) and vLLM recomputes them. No failure
 in a load ever propagates into the forward.
@@ -95,13 +95,19 @@ class Loader:
         self._scratch = host_loads.Scratch(share)  # the load thread's buffer and pace (async_loads.py)
 
     def start(self, loads: list[ChunkLoad], new_tokens: int = 0, graph: GraphStep | None = None) -> LoadJob:
-        """``new_tokens``: tokens the step computes (it sets how far copies are queued ahead)."""
-        # On accelerators the copies are queued on this thread: no layer waits for another.
+        """``new_tokens``: tokens the step computes (it sets how far copies are queued ahead).
+        The lease runs on the load thread on both paths, never on the caller's: on
+        accelerators it overlaps the runner's input preparation when the step's loads start
+        at the scheduler's hand-over."""
         job = self.job = LoadJob(loads, self.ctx.order if self.ctx.device_path is None else [])
         job.graph = graph
         job.window = queue_window(new_tokens, len(self.ctx.order), self.ctx.cfg.load_window)
-        if self.ctx.device_path is not None:
-            self._queue_device_load(job)
+        dp = self.ctx.device_path
+        if dp is not None:
+            # After the compute stream's work queued so far (vLLM's zeroing of new blocks, a
+            # last step): recorded here, where that stream is current.
+            dp.dev.wait(dp.dev.record(), dp.load_stream)
+            job.future = self._thread.submit(self._plan_device_load, job)
         else:
             job.future = self._thread.submit(self._run_load, job)
         return job
@@ -117,6 +123,9 @@ class Loader:
         if ev is not None and not job.cancelled and not ev.wait(self.ctx.cfg.load_timeout_s):
             self.abandon(job, f"layer {layer_name} not loaded within {self.ctx.cfg.load_timeout_s}s")
         if self.ctx.device_path is not None:  # the compute stream waits; the host does not
+            if not job.future.done() and not job.cancelled and \
+                    wait([job.future], timeout=self.ctx.cfg.load_timeout_s).not_done:
+                self.abandon(job, f"the lease not answered within {self.ctx.cfg.load_timeout_s}s")
             self._queue_upto(job, self.ctx.rank.get(layer_name, -1) + 1 + job.window)
             done = job.device_events.get(layer_name)
             if done is not job.awaited:  # a batch's later layers: the stream waits already
@@ -161,9 +170,9 @@ class Loader:
     def collect(self, job: LoadJob) -> set[int]:
         """``job``'s failed blocks, once it is finished or given up and no write of it is
         under way (its failed chunks are noted)."""
+        if job.cancelled:  # no write of it under way, none to come (the device path's queued
+            job.gate.fence()  # copies included: finish has the compute stream wait for them)
         self.finish(job)
-        if job.cancelled:
-            job.gate.fence()
         if self.ctx.device_path is not None:
             self._check_device_load(job)
         bad = {b for j in job.failed for b in job.loads[j].block_ids}
@@ -302,15 +311,14 @@ class Loader:
             ctx.counters["load_seconds"] += time.perf_counter() - t0
             self._release(job)
 
-    def _queue_device_load(self, job: LoadJob) -> None:
-        """The accelerator path, before the forward: one lease and one header pass for
-        the step, then a few batched copies per group on the load stream. Checksums are
-        compared at the end of the step (``_check_device_load``)."""
+    def _plan_device_load(self, job: LoadJob) -> None:
+        """The accelerator path, on the load thread: one lease and one header pass for the
+        step, then a few batched copies per group on the load stream, the first
+        ``job.window`` layers' queued here (every layer's, when that is 0), the others by
+        the forward's thread once this is done (``wait``). Checksums are compared at the end
+        of the step (``_check_device_load``)."""
         ctx = self.ctx
         t0 = time.perf_counter()
-        dp = ctx.device_path
-        # After the compute stream's queued work: vLLM's zeroing of new blocks, a last step.
-        dp.dev.wait(dp.dev.record(), dp.load_stream)
         try:
             arena, admitted = self._lease(job)
             job.arena = arena
@@ -329,8 +337,12 @@ class Loader:
             job.todo.sort(key=lambda t: ctx.rank[t[0].layers[0].name])
             job.first = [ctx.rank[batch.layers[0].name] for batch, _ in job.todo]
             # Layerwise: the batches of the first ``job.window`` layers now, each later one
-            # as the forward reaches the layer ``job.window`` before it (``wait``).
-            self._queue_upto(job, job.window if ctx.cfg.use_layerwise else len(ctx.order))
+            # as the forward reaches the layer ``job.window`` before it (``wait``). Not once
+            # the step gave the load up: its blocks may be another request's by then.
+            with job.gate:
+                self._queue_upto(job, job.window if ctx.cfg.use_layerwise else len(ctx.order))
+        except host_loads.GivenUp:
+            pass  # every block of it is failed already
         except Exception as exc:
             self._load_failed(job, exc)
         ctx.counters["load_seconds"] += time.perf_counter() - t0

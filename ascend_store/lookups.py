@@ -38,14 +38,18 @@ TAIL_TAG = "tail/"  # cache entries of a prompt's partial last chunk
 
 @dataclass
 class Ask:
-    """One request's questions: (cache entry, chunk hash, KV cache groups) each; the answer
-    is set once, whole, by the lookup thread."""
+    """One request's questions: (cache entry, chunk hash, KV cache groups) each. The lookup
+    thread fills ``reply``/``reply_failed``; the scheduler's thread copies them to
+    ``answer``/``failed`` for a whole batch at once, at the start of a step, so that the
+    requests asked together are answered in the same step (and load together)."""
 
     start: int
     entries: list[tuple[str, str, tuple[int, ...]]]
     asked_at: float
     answer: dict[str, bool] | None = None
     failed: bool = False
+    reply: dict[str, bool] | None = None
+    reply_failed: bool = False
 
 
 @dataclass
@@ -78,6 +82,8 @@ class PoolLookups:
         self._work = threading.Condition()
         self._queued: list[Ask] | None = None  # handed to the thread, not yet taken
         self._busy_since: float | None = None  # when the thread's current call started
+        self._replies = threading.Lock()  # a batch's replies are written and published whole
+        self._now: float | None = None  # the step's clock, taken at its first lookup
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -85,7 +91,10 @@ class PoolLookups:
     def lookup(self, st: LookupState, hashes: list[str], start: int, limit: int, tails) -> Hit | None:
         """The pool's hit for a request (None: not known yet, ask again next step).
         ``tails(c)``: the hashes of chunk ``c`` cut after 1, 2, ... blocks."""
-        ask, now = st.ask, time.monotonic()
+        if self._now is None:
+            self._now = time.monotonic()
+            self._publish()
+        ask, now = st.ask, self._now
         if ask is not None and ask.start != start:  # asked again from elsewhere (a preemption)
             ask, st.ask, st.answers = None, None, {}
         if ask is not None:
@@ -159,6 +168,7 @@ class PoolLookups:
         """End of the step's scheduling: hand the step's questions (and, with KV events on,
         an events fetch) to the thread, fold answered ones into the cache. Returns the pool
         calls this starts (at most one lookup); questions wait a step while the thread is busy."""
+        self._now = None  # the next step takes its own clock and replies
         self._fold()
         want_events = self.events is not None
         if not (self._batch or want_events) or self._closed:
@@ -175,17 +185,22 @@ class PoolLookups:
             self._thread.start()
         return 1 if batch else 0
 
+    def _publish(self) -> None:
+        """Replies that have come in since the last step become answers, batch by batch."""
+        with self._replies:
+            for ask in self._sent:
+                if ask.answer is None and not ask.failed:
+                    ask.answer, ask.failed = ask.reply, ask.reply_failed
+
     def _fold(self) -> None:
         """Answers in the hit cache (on this thread: the cache is not shared)."""
-        if self.cache is None:
-            self._sent = []
-            return
         waiting = []
         for ask in self._sent:
             if ask.answer is not None:
-                self.cache.observe(self.backend.generation())
-                for entry, hit in ask.answer.items():
-                    self.cache.put(entry, hit)
+                if self.cache is not None:
+                    self.cache.observe(self.backend.generation())
+                    for entry, hit in ask.answer.items():
+                        self.cache.put(entry, hit)
             elif not ask.failed:
                 waiting.append(ask)
         self._sent = waiting
@@ -230,11 +245,14 @@ class PoolLookups:
             found = self.backend.exists(list(index))
         except BackendUnavailable:
             self.counters["lookup_errors"] += 1
-            for ask in batch:
-                ask.failed = True
+            with self._replies:
+                for ask in batch:
+                    ask.reply_failed = True
             return
         finally:
             self.counters["lookup_seconds"] += time.perf_counter() - t0
         it = iter(per_entry)
-        for ask in batch:
-            ask.answer = {entry: all(found[i] for i in next(it)) for entry, _, _ in ask.entries}
+        replies = [{entry: all(found[i] for i in next(it)) for entry, _, _ in ask.entries} for ask in batch]
+        with self._replies:
+            for ask, reply in zip(batch, replies):
+                ask.reply = reply

@@ -3,9 +3,11 @@
 One ``reserve`` of the step's chunk objects (one per chunk and KV cache group, every
 layer inside: worker_context.py), a copy task per layer queued by ``save_layer`` right
 after the layer wrote its KV (from an event recorded on the compute stream, on
-accelerators), and one ``commit`` once the copies are done, on the save thread, so
-objects become visible even if the engine goes idle. Only objects whose every layer part
-was written are committed; the rest are aborted. Variable-size codecs (zstd) encode each
+accelerators), and one ``commit`` once the copies are done, so objects become visible even
+if the engine goes idle. The save thread seals the objects (headers, sums); the commit and
+abort calls go to a publish thread of their own, so that a slow commit never delays the
+next step's reserve. Only objects whose every layer part was written are committed; the
+rest are aborted. Variable-size codecs (zstd) encode each
 layer as it comes and reserve at the end, when the sizes are known.
 
 ``defer_drain``: the wait for the last layers' copies moves from the end of the step to
@@ -69,7 +71,7 @@ class SaveJob:
         self.futures: list[Future] = []  # the reserve and the layers' copies: what reads the blocks
         self.pending: deque = deque()  # (layer, event) saves the save thread has not taken yet
         self.draining = False  # a drain of ``pending`` is queued and has not started
-        self.commit: Future | None = None
+        self.commit: Future | None = None  # set once its objects are published (or given up)
         self.device_saves: list = []  # (queued copy, Reserved, layer index) to seal at commit
         self.cancelled = False
 
@@ -79,9 +81,19 @@ class Saver:
         self.ctx = ctx
         self.defer_drain = defer_drain
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-save")
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="ascend-store-publish")
         self._job: SaveJob | None = None  # this step's
         self._draining: SaveJob | None = None  # a finished step's, when deferred
         self._stuck: Future | None = None  # the reserve of a job dropped for want of an answer
+        self._in_call_since: float | None = None  # when the save thread's pool call began
+
+    def _pool(self, op: str, *args):
+        """A pool call on the save thread (the one ``_finish`` may wait for), timed."""
+        self._in_call_since = time.monotonic()
+        try:
+            return getattr(self.ctx.backend, op)(*args)
+        finally:
+            self._in_call_since = None
 
     def save_layer(self, layer_name: str, saves: list[ChunkSave] | None) -> None:
         """Queue the save of ``layer_name``'s part of this step's chunks (it just wrote them)."""
@@ -101,7 +113,8 @@ class Saver:
         if whole:
             after = self._now()
             self._queue_layers(job, [(n, after) for n in self.ctx.order])
-        job.commit = self._thread.submit(self._run_commit, job)
+        job.commit = Future()
+        self._thread.submit(self._run_commit, job)
         if publish:
             self._finish(job, committed=True)
         elif self.defer_drain:
@@ -119,6 +132,7 @@ class Saver:
     def shutdown(self) -> None:
         self.drain(committed=True)
         self._thread.shutdown(wait=True, cancel_futures=True)
+        self._publisher.shutdown(wait=True)
 
     def _now(self):
         """An event at this point of the compute stream, for the batched path's copy of a
@@ -150,14 +164,20 @@ class Saver:
         """Return once the job's copies no longer read its blocks (``committed``: once its
         objects are published). On an accelerator the copies need only be queued: the
         compute stream waits for them on the device, the host does not. A job whose
-        reserve the pool has not answered within ``lookup_timeout_s`` is dropped: its copies
-        have not started (they follow the reserve on the save thread) and will not, and its
-        commit gives the reservations back."""
-        if not committed and wait(job.futures[:1], timeout=self.ctx.cfg.lookup_timeout_s).not_done:
-            job.cancelled = True
-            self._stuck = job.futures[0]
-            self.ctx.counters["save_skipped_unanswered"] += 1
-            return
+        reserve has not returned while the save thread has been waiting for the pool longer
+        than ``lookup_timeout_s`` (in that reserve or an earlier job's commit) is dropped:
+        its copies have not started (they follow the reserve on the save thread) and will
+        not, and its commit gives the reservations back. A save thread busy copying is
+        waited for, as below."""
+        reserve = job.futures[0]
+        while not committed and not reserve.done():
+            since = self._in_call_since
+            if since is not None and time.monotonic() - since > self.ctx.cfg.lookup_timeout_s:
+                job.cancelled = True
+                self._stuck = reserve
+                self.ctx.counters["save_skipped_unanswered"] += 1
+                return
+            wait([reserve], timeout=self.ctx.cfg.lookup_timeout_s / 4)
         futures = job.futures + [job.commit] if committed else job.futures
         if wait(futures, timeout=self.ctx.cfg.load_timeout_s).not_done:
             # Stop the copies before vLLM reuses the blocks; unpublished objects expire.
@@ -195,7 +215,7 @@ class Saver:
 
     def _reserve(self, groups: list[Reserved], sizes: list[np.ndarray]) -> None:
         keys = [k for r in groups for k in r.step.keys]
-        slots = self.ctx.backend.reserve_slots(keys, np.concatenate(sizes))
+        slots = self._pool("reserve_slots", keys, np.concatenate(sizes))
         ok = slots.status == Status.OK
         for status, count in zip(*np.unique(slots.status[~ok], return_counts=True)):
             self.ctx.counters["save_skipped_" + STATUSES[status].name.lower()] += int(count)
@@ -298,33 +318,45 @@ class Saver:
             r.written[k] = len(st.fmt.layers)
 
     def _run_commit(self, job: SaveJob) -> None:
+        """Seal what the copies wrote; the pool's commit (and aborts) go to the publish thread."""
         ctx = self.ctx
-        if job.cancelled:  # dropped: give back what the reserve got (nothing else would)
-            held = [r.step.keys[k] for r in job.groups.values()
-                    for k in np.flatnonzero(r.offsets >= 0).tolist()]
-            try:
-                ctx.backend.abort(held)
-            except BackendUnavailable:
-                pass  # the pool reclaims a reservation at its deadline
-            return
+        done, given_back, sizes = [], [], [np.zeros(0, dtype=np.int64)]
         try:
-            if job.device_saves:
-                self._seal_device_saves(job)
-            for r in job.groups.values():
-                if not r.step.fmt.fixed:
-                    self._write_encoded(r)
-            done, partial, sizes = [], [], [np.zeros(0, dtype=np.int64)]
-            for r in job.groups.values():
-                held = np.flatnonzero(r.offsets >= 0)
-                whole = r.written[held] == len(r.step.fmt.layers)  # commit only objects fully written
-                done += [r.step.keys[k] for k in held[whole].tolist()]
-                partial += [r.step.keys[k] for k in held[~whole].tolist()]
-                sizes.append(r.step.fmt.size(r.step.blocks)[held[whole]])
-            if partial:
-                ctx.counters["save_incomplete"] += len(partial)
-                ctx.backend.abort(partial)
-            ok = np.fromiter((st is Status.OK for st in ctx.backend.commit(done)), dtype=bool)
-            ctx.counters["saved_objects"] += int(ok.sum())
-            ctx.counters["saved_bytes"] += int(np.concatenate(sizes)[:len(ok)][ok].sum())
-        except BackendUnavailable:
+            if job.cancelled:  # dropped: give back what the reserve got (nothing else would)
+                given_back = [r.step.keys[k] for r in job.groups.values()
+                              for k in np.flatnonzero(r.offsets >= 0).tolist()]
+            else:
+                if job.device_saves:
+                    self._seal_device_saves(job)
+                for r in job.groups.values():
+                    if not r.step.fmt.fixed:
+                        self._write_encoded(r)
+                for r in job.groups.values():
+                    held = np.flatnonzero(r.offsets >= 0)
+                    whole = r.written[held] == len(r.step.fmt.layers)  # commit only objects fully written
+                    done += [r.step.keys[k] for k in held[whole].tolist()]
+                    given_back += [r.step.keys[k] for k in held[~whole].tolist()]
+                    sizes.append(r.step.fmt.size(r.step.blocks)[held[whole]])
+                ctx.counters["save_incomplete"] += len(given_back)
+        except Exception as exc:
+            if not isinstance(exc, BackendUnavailable):
+                log.exception("KV pool save failed; its objects expire unpublished")
             ctx.counters["save_errors"] += 1
+            done, given_back = [], []
+        self._publisher.submit(self._publish, job, done, given_back, np.concatenate(sizes))
+
+    def _publish(self, job: SaveJob, done: list[str], given_back: list[str], sizes: np.ndarray) -> None:
+        ctx = self.ctx
+        try:
+            if given_back:
+                ctx.backend.abort(given_back)
+            if done:
+                ok = np.fromiter((st is Status.OK for st in ctx.backend.commit(done)), dtype=bool)
+                ctx.counters["saved_objects"] += int(ok.sum())
+                ctx.counters["saved_bytes"] += int(sizes[:len(ok)][ok].sum())
+        except BackendUnavailable:
+            # An abort not delivered: the pool reclaims a reservation at its deadline.
+            if done:
+                ctx.counters["save_errors"] += 1
+        finally:
+            job.commit.set_result(None)

@@ -153,3 +153,9 @@ def assert_same_outputs(got: list[dict], want: list[dict], tol: float = 1e-4) ->
         assert g["token_ids"] == w["token_ids"]
         diff = max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"]))
         assert diff <= tol, f"logprob difference {diff}"
+
+
+def pool_refusals(scheduler: dict) -> int:
+    """Lookups the pool did not answer: errors, deadlines passed, or skipped while it is down
+    (which of them a dead pool shows depends on when its death is noticed)."""
+    return sum(scheduler.get(k, 0) for k in ("lookup_errors", "lookup_timeouts", "lookups_skipped"))

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from ascend_store.backends.local.arena import gc_arenas
 from ascend_store.backends.local.client import LocalBackend
 from ascend_store.backends.local.launcher import ping
 from ascend_store.config import LocalPoolConfig
@@ -26,11 +27,24 @@ from ascend_store.transfer import HEADER, HEADER_BYTES
 from tests.e2e.conftest import BLOCK, CHUNK_OF_SET, PROMPT_SETS
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed pool the test's fixture has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def main(op: str, socket: str, prompt: str = "basic:0", groups: str = "") -> None:
     client = LocalBackend(LocalPoolConfig(socket=socket, start="never"), timeout_s=2.0)
     if op in ("kill", "restart"):
         old = client.stats()
         os.kill(old["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _running(old["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gc_arenas()  # what an operator runs after a SIGKILL: the dead pool's arena goes
         if op == "restart":  # a new pool on the same socket, living as long as the engine
             subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", socket,
                               "--capacity", str(old["capacity"]), "--parent-pid", os.environ["ENGINE_PID"]],

@@ -50,6 +50,7 @@ def test_a_long_step_queues_each_batch_from_the_wait_before_it(pool, monkeypatch
     worker.start_load_kv(load)  # the same step: nothing starts twice
     job = worker.loader.job
     assert job is early_job or not early
+    job.future.result(30)  # the lease and the plan run on the load thread
     assert len(job.todo) == LAYERS  # one batch per layer
     assert worker.counters.total["steps"] == steps + 1
     queued = [job.next]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 from ascend_store.backends.base import Status
@@ -65,6 +66,33 @@ def test_requests_of_one_step_share_one_call_and_cached_ones_none(pool):
     again, steps = _until_answered(lk, [LookupState() for _ in chains], chains)
     assert [h.chunks for h in again] == [6] + [4] * 7 and steps == 1
     assert guard.calls["lookup"] == 1
+    lk.close()
+    guard.close()
+
+
+def test_requests_asked_together_are_answered_in_the_same_step(pool, monkeypatch):
+    """The reply lands while the scheduler is between two requests of a step: neither sees
+    it before the next step, so the two load in one step (a shared prefix leased once)."""
+    client = pool.client()
+    gate, real = threading.Event(), client.exists
+    monkeypatch.setattr(client, "exists", lambda keys: (gate.wait(5), real(keys))[1])
+    guard = GuardedBackend(client, "test pool")
+    lk = _lookups(guard, deadline_s=5.0)
+    chains = [[f"{r:030x}{j:02x}" for j in range(2)] for r in range(2)]
+    _store(client, [KS.key(0, h) for chain in chains for h in chain])
+    states = [LookupState(), LookupState()]
+    assert [lk.lookup(st, c, 0, 2, _no_tails) for st, c in zip(states, chains)] == [None, None]
+    lk.flush()
+    assert lk.lookup(states[0], chains[0], 0, 2, _no_tails) is None  # next step, not in yet
+    gate.set()
+    deadline = time.monotonic() + 5
+    while lk._queued is not None or lk._busy_since is not None:  # the reply is in
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert lk.lookup(states[1], chains[1], 0, 2, _no_tails) is None  # the same step
+    lk.flush()
+    hits = [lk.lookup(st, c, 0, 2, _no_tails) for st, c in zip(states, chains)]
+    assert [h.chunks for h in hits] == [2, 2]
     lk.close()
     guard.close()
 

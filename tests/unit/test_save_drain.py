@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 from ascend_store.config import StoreConfig
 from ascend_store.metadata import ChunkSave, StepMetadata
@@ -88,10 +89,60 @@ def test_a_reserve_the_pool_does_not_answer_is_dropped_not_waited_for(pool, monk
     assert not step.is_alive()  # it waited the deadline, not the pool
     gate.set()
     worker.saver._thread.submit(lambda: None).result(10)  # the save thread is done with it
+    worker.saver._publisher.submit(lambda: None).result(10)  # and so is the publish thread
     stats = worker.backend.stats()
     assert (stats["reserved"], stats["objects"]) == (0, 0)
     assert worker.counters.total["save_skipped_unanswered"] == 1
     worker.shutdown()
+
+
+def test_a_reserve_queued_behind_other_work_is_waited_for_not_dropped(pool, monkeypatch):
+    """The save thread busy with the last step's commit work (not waiting for the pool): the
+    next step waits for this step's reserve as long as that takes, and both steps save."""
+    vllm_config, kv_cache_config, caches = engine_parts(2, 2, 64, BLOCK, 2 * CHUNK_BLOCKS + 1)
+    cfg = StoreConfig.parse({"copy_path": "batched", "lookup_timeout_s": 0.1,
+                             "local": {"socket": pool.socket, "start": "never"}})
+    worker = PoolWorker(vllm_config, kv_cache_config, cfg, "kv_both")
+    worker.register_kv_caches(caches)
+    real = worker.saver._run_commit
+
+    def slow(job):
+        time.sleep(0.5)  # host work before the pool's commit
+        return real(job)
+
+    monkeypatch.setattr(worker.saver, "_run_commit", slow)
+    worker.wait_for_save(_save_step(worker, 0, commit_now=False))
+    worker.handle_preemptions(None)  # the next step: its reserve queues behind that commit
+    worker.wait_for_save(_save_step(worker, 1, commit_now=False))
+    worker.handle_preemptions(None)
+    worker.shutdown()
+    assert worker.counters.total["save_skipped_unanswered"] == 0
+    assert worker.counters.total["saved_objects"] == 2
+
+
+def test_a_slow_commit_does_not_hold_the_next_steps_reserve(pool, monkeypatch):
+    """The pool takes 0.5 s to commit (slow, not hung: longer than lookup_timeout_s). The
+    next step's reserve does not queue behind that commit, so it is answered at once and
+    both steps save (a P/D consumer waits for objects that come)."""
+    vllm_config, kv_cache_config, caches = engine_parts(2, 2, 64, BLOCK, 2 * CHUNK_BLOCKS + 1)
+    cfg = StoreConfig.parse({"copy_path": "batched", "lookup_timeout_s": 0.1,
+                             "local": {"socket": pool.socket, "start": "never"}})
+    worker = PoolWorker(vllm_config, kv_cache_config, cfg, "kv_both")
+    worker.register_kv_caches(caches)
+    real = worker.backend.commit
+
+    def slow(keys):
+        time.sleep(0.5)
+        return real(keys)
+
+    monkeypatch.setattr(worker.backend, "commit", slow)
+    worker.wait_for_save(_save_step(worker, 0, commit_now=False))
+    worker.handle_preemptions(None)
+    worker.wait_for_save(_save_step(worker, 1, commit_now=False))
+    worker.handle_preemptions(None)
+    worker.shutdown()
+    assert worker.counters.total["save_skipped_unanswered"] == 0
+    assert worker.counters.total["saved_objects"] == 2
 
 
 def test_layers_queued_while_the_save_thread_is_busy_share_one_task(pool, monkeypatch):

@@ -132,6 +132,25 @@ def test_every_covered_layout_passes_through_the_pool_and_is_left_as_it_was(pool
     assert "commit" not in st["key_queries"] and st["objects"] == 0 and st["reserved"] == 0
 
 
+ON_CUDA = [c for c in CASES if c[0] != "hybrid"]  # the hybrid case's caches share one host buffer
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-test)")
+@pytest.mark.parametrize("kind, extra", ON_CUDA, ids=[k + ("-int8-codec" if e else "") for k, e in ON_CUDA])
+def test_on_cuda_every_covered_layout_passes_with_the_compiled_kernels(pool, make, caplog, kind, extra):
+    """The batched path on CUDA: pinned pool memory, Triton's copy and int8 kernels."""
+    worker, caches = make(pool.socket, kind, copy_path="auto", **extra)
+    caches = {n: tuple(t.cuda() for t in c) if isinstance(c, tuple) else c.cuda() for n, c in caches.items()}
+    before = _copies(caches)
+    with caplog.at_level(logging.INFO, logger="ascend_store"):
+        worker.register_kv_caches(caches)
+    assert worker.device_path is not None and worker.device_path.dev.is_accelerator
+    assert _errors(caplog) == []
+    assert worker.counters.total["selftest_layers"] == len(worker.order)
+    assert worker.counters.total["selftest_failed"] == 0
+    assert _unchanged(caches, before)
+
+
 class OneBlockLate(LayerLayout):
     """A layout the host load path gets wrong: its scatter lands one block late."""
 
