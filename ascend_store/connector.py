@@ -20,9 +20,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ascend_store.config import StoreConfig, check_transfer_config
-from ascend_store.layers import group_kinds
-from ascend_store.stats import AscendStorePromMetrics, AscendStoreStats
+from ascend_store.common.config import StoreConfig, check_transfer_config
+from ascend_store.common.layers import group_kinds
+from ascend_store.ops.stats import AscendStorePromMetrics, AscendStoreStats
 
 # engine_id -> the worker half in this process. vLLM's single-process executor (one
 # GPU/NPU, the default there) runs the worker in the engine core's thread, right after the
@@ -42,11 +42,11 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
             group_kinds(kv_cache_config)
         self.scheduler = self.worker = None
         if role == KVConnectorRole.SCHEDULER:
-            from ascend_store.pool_scheduler import PoolScheduler
+            from ascend_store.scheduler.pool_scheduler import PoolScheduler
 
             self.scheduler = PoolScheduler(vllm_config, kv_cache_config, cfg, ktc.kv_role)
         else:
-            from ascend_store.pool_worker import PoolWorker
+            from ascend_store.worker.pool_worker import PoolWorker
 
             self.worker = PoolWorker(vllm_config, kv_cache_config, cfg, ktc.kv_role)
             other = _LOCAL_WORKERS.get(ktc.engine_id, _NOBODY)()

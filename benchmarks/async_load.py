@@ -146,7 +146,8 @@ def main() -> None:
     tmp = tempfile.mkdtemp()
     socket = os.path.join(tmp, "pool", "pool.sock")
     env = {**os.environ, "PYTHONPATH": REPO}
-    pool = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", socket,
+    pool = subprocess.Popen([sys.executable, "-m", "ascend_store.ops.cli",
+                             "pool", "serve", "--socket", socket,
                              "--capacity", "1GiB"], env=env, stderr=subprocess.DEVNULL)
     try:
         while not ping(socket):

@@ -25,7 +25,7 @@ import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, REPO)
-from ascend_store.bench.workloads import Shape, shared_prefix  # noqa: E402
+from ascend_store.ops.bench.workloads import Shape, shared_prefix  # noqa: E402
 
 for k, v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0",
              "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}.items():
@@ -115,7 +115,7 @@ def run_phases(args, model: str, workdir: str) -> dict[str, list[dict]]:
     socket, pool_log = os.path.join(workdir, "pool.sock"), os.path.join(workdir, "pool.log")
     print(f"starting a standalone pool at {socket} ...", flush=True)
     with open(pool_log, "wb") as log_file:
-        pool = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket",
+        pool = subprocess.Popen([sys.executable, "-m", "ascend_store.ops.cli", "pool", "serve", "--socket",
                                  socket, "--capacity", "2GiB"], stderr=log_file)
 
     def fail(what: str) -> None:

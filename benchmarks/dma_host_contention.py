@@ -1,10 +1,10 @@
 """Does a load running beside the forward slow the forward's host loop? (GPU, vLLM-free)
 
-In the H200 timelines (docs/benchmarks.md, fifth pass) the forward's layers of a 7B 4K
-hit took ~4 ms more host time with our copies running beside them than LMCache's, whose
-copies are done before its forward starts, though our hooks inside took 0.3 ms. This
-times a host-bound, forward-like loop (28 "layers" of small eager ops on the compute
-stream, as vLLM runs a full hit's one-token step with ``enforce_eager``) while, in turn:
+In H200 timelines of a 7B 4K hit the forward's layers took ~4 ms more host time with
+our copies running beside them than LMCache's, whose copies are done before its forward
+starts, though our hooks inside took 0.3 ms. This times a host-bound, forward-like loop
+(28 "layers" of small eager ops on the compute stream, as vLLM runs a full hit's
+one-token step with ``enforce_eager``) while, in turn:
 
   idle       nothing else
   dma        pinned host -> device copies on a side stream (the load's DMAs)

@@ -1,4 +1,4 @@
-"""What the model fingerprint (ascend_store/fingerprint.py) costs at engine start.
+"""What the model fingerprint (ascend_store/common/fingerprint.py) costs at engine start.
 
 Builds a safetensors checkpoint of a 7B geometry with random bf16 weights, sharded and
 indexed as on the hub (Qwen2.5-7B: 4 shards, 339 tensors, 15.2 GB), then times the
@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ascend_store import fingerprint
+from ascend_store.common import fingerprint
 
 # name: (vocab, hidden, intermediate, layers, heads, kv heads, qkv bias, shards)
 GEOMETRIES = {

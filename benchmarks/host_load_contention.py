@@ -1,7 +1,7 @@
 """What slows a forward while the host path loads on the other core: the GIL or memory?
 
 A forward-like loop (8 layers of small matmuls over 84 MB of fp32 weights, as the
-issue-14 model of benchmarks/async_load.py, plus small Python-dispatched ops) runs on
+model of benchmarks/async_load.py, plus small Python-dispatched ops) runs on
 core 0 and reports its median step time while a second thread on core 1 runs, in turn:
 nothing; host_loads.load_layer over 8 layers of a 3,584-token hit (ours); one plain copy
 of 119 MiB (memory traffic without GIL handoffs); a pure-Python loop (GIL only). Needs
@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ascend_store import host_loads  # noqa: E402
-from ascend_store.codecs import RAW  # noqa: E402
-from ascend_store.segments import StepPages  # noqa: E402
-from ascend_store.transfer import HEADER_BYTES, HEADER_RECORD, LayerLayout, object_bytes, write_object  # noqa: E402
+from ascend_store.common.codecs import RAW  # noqa: E402
+from ascend_store.common.transfer import HEADER_BYTES, HEADER_RECORD, LayerLayout, object_bytes, write_object  # noqa: E402
+from ascend_store.device.segments import StepPages  # noqa: E402
+from ascend_store.worker import host_loads  # noqa: E402
 
 BLOCKS, PAGES, OBJECTS, LAYERS = 130, 8, 14, 8  # 14 chunk objects of 8 blocks of 32 tokens
 

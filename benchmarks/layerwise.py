@@ -3,7 +3,7 @@
 A synthetic forward with each layer's real work for Llama-3-8B and Qwen2.5-7B geometry
 (QKV and output projections, attention of the new tokens over the cached prefix read
 from the paged cache, the gated MLP; bf16), fed by the connector's own load pipeline
-(``ascend_store.device_path.DevicePath``: the pool's chunk objects, every layer of a
+(``ascend_store.device.device_path.DevicePath``: the pool's chunk objects, every layer of a
 chunk in one object, side by side in the pinned arena as one request's save leaves them;
 in batches of layers, one 2D DMA per batch and one scatter-and-sum kernel on side
 streams, from one copy plan per step, queued as the worker queues them (loads.py: all
@@ -42,11 +42,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ascend_store.codecs import get_codec  # noqa: E402
-from ascend_store.device_path import DevicePath  # noqa: E402
-from ascend_store.device_work import LayerObjects, queue_window  # noqa: E402
-from ascend_store.segments import CopyPlanner, StepPages  # noqa: E402
-from ascend_store.transfer import HEADER_BYTES, LayerLayout, object_bytes, seal  # noqa: E402
+from ascend_store.common.codecs import get_codec  # noqa: E402
+from ascend_store.common.transfer import HEADER_BYTES, LayerLayout, object_bytes, seal  # noqa: E402
+from ascend_store.device.device_path import DevicePath  # noqa: E402
+from ascend_store.device.device_work import LayerObjects, queue_window  # noqa: E402
+from ascend_store.device.segments import CopyPlanner, StepPages  # noqa: E402
 
 # name: (layers, hidden, heads, kv heads, head dim, ffn, block size); objects of 256 tokens
 GEOMETRIES = {"llama3-8b/b16": (32, 4096, 32, 8, 128, 14336, 16),

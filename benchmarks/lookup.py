@@ -29,8 +29,8 @@ import torch
 
 from ascend_store.backends.local.client import LocalBackend
 from ascend_store.backends.local.launcher import ping
-from ascend_store.config import LocalPoolConfig, LookupCacheConfig, StoreConfig
-from ascend_store.pool_scheduler import PoolScheduler
+from ascend_store.common.config import LocalPoolConfig, LookupCacheConfig, StoreConfig
+from ascend_store.scheduler.pool_scheduler import PoolScheduler
 
 BLOCK = 128
 
@@ -75,7 +75,7 @@ def main() -> None:
     steps = [[prompt() for _ in range(args.requests)] for _ in range(args.steps)]
 
     socket = tempfile.mkdtemp(prefix="ascend-store-lookup-") + "/pool.sock"
-    server = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket",
+    server = subprocess.Popen([sys.executable, "-m", "ascend_store.ops.cli", "pool", "serve", "--socket",
                                socket, "--capacity", args.capacity], stderr=subprocess.DEVNULL)
     try:
         while not ping(socket):

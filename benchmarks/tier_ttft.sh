@@ -16,10 +16,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=$REPO HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0
 MODEL=$($PY -c 'from tests.e2e.models import build_llama; print(build_llama("llama-demo", layers=8, hidden=512, heads=8, kv_heads=4))')
 SOCK=$OUT/pool.sock PORT=${PORT:-8123}
-pool() { $PY -m ascend_store.cli pool serve --socket "$SOCK" --capacity 512MiB --disk-path "$OUT/disk" \
+pool() { $PY -m ascend_store.ops.cli pool serve --socket "$SOCK" --capacity 512MiB --disk-path "$OUT/disk" \
            --disk-capacity 4GiB 2>>"$OUT/pool.log" & echo $! > "$OUT/pool.pid"; }
 stop_pool() { kill "$(cat "$OUT/pool.pid")"; while kill -0 "$(cat "$OUT/pool.pid")" 2>/dev/null; do sleep 0.1; done; }
-wait_pool() { until $PY -m ascend_store.cli pool status --socket "$SOCK" >/dev/null 2>&1; do sleep 0.2; done; }
+wait_pool() { until $PY -m ascend_store.ops.cli pool status --socket "$SOCK" >/dev/null 2>&1; do sleep 0.2; done; }
 pool; wait_pool
 KV='{"kv_connector":"AscendStoreConnector","kv_connector_module_path":"ascend_store.connector","kv_role":"kv_both","kv_load_failure_policy":"recompute","kv_connector_extra_config":{"local":{"socket":"'$SOCK'","start":"never"}}}'
 $PY -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port "$PORT" --dtype float32 \
@@ -30,8 +30,8 @@ until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do sleep 1; kill -0 $
 BENCH=(--url "http://127.0.0.1:$PORT" --workload long-doc-qa --docs 6 --doc-tokens 2048 --repeat-count 1
        --output-tokens 1)
 echo "== run 1: warm-up = miss, query = memory hit"
-$PY -m ascend_store.cli bench "${BENCH[@]}" --json "$OUT/run1.json"
-$PY -m ascend_store.cli pool status --socket "$SOCK" > "$OUT/status1.json"
+$PY -m ascend_store.ops.cli bench "${BENCH[@]}" --json "$OUT/run1.json"
+$PY -m ascend_store.ops.cli pool status --socket "$SOCK" > "$OUT/status1.json"
 stop_pool
 # Cold disk hits: the files leave the page cache (fsync + POSIX_FADV_DONTNEED) before the restart.
 $PY -c 'import os, sys
@@ -40,5 +40,5 @@ for n in os.listdir(sys.argv[1]):
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)' "$OUT/disk"
 pool; wait_pool
 echo "== run 2 (pool restarted): warm-up = disk hit (cold files), query = memory hit"
-$PY -m ascend_store.cli bench "${BENCH[@]}" --json "$OUT/run2.json"
-$PY -m ascend_store.cli pool status --socket "$SOCK" | tee "$OUT/status2.json" | grep -E '"(promoted|spilled|objects)"'
+$PY -m ascend_store.ops.cli bench "${BENCH[@]}" --json "$OUT/run2.json"
+$PY -m ascend_store.ops.cli pool status --socket "$SOCK" | tee "$OUT/status2.json" | grep -E '"(promoted|spilled|objects)"'

@@ -6,7 +6,7 @@ length it measures, in the same run:
   naive    one copy_ per block segment into its object slot (what a simple connector does)
   gather   index_select into a device staging buffer, then one contiguous copy
            (fast, but lands in a staging layout, not in the objects)
-  direct   ascend_store.kernels.copy_segments: one Triton kernel per layer reading the
+  direct   ascend_store.device.kernels.copy_segments: one Triton kernel per layer reading the
            cache and writing each block straight into its object slot of the
            pinned arena (headers in between untouched), and the reverse for loads
   staged   the same kernel builds the layer's objects in device memory, then one DMA
@@ -30,8 +30,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ascend_store.device import Device  # noqa: E402
-from ascend_store.kernels import WORD, tl, triton  # noqa: E402
+from ascend_store.device.kernels import WORD, tl, triton  # noqa: E402
+from ascend_store.device.platform import Device  # noqa: E402
 
 
 # The zero-copy variant this benchmark compares (the worker no longer uses it): a Triton

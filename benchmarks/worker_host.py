@@ -1,10 +1,10 @@
 """Host time the worker spends per pool hit and per save, outside the copies (CPU).
 
-On the H200 a 32K-token hit spent ~48 ms of host work in ``start_load_kv`` (py-spy,
-docs/benchmarks.md): planning, pool calls, header checks, per-object Python. That work
-is the same on every device, so it is measured here, on CPU, with the real ``PoolWorker``
-and a real local pool, no vLLM engine: one save step of a prompt, then one full-hit load
-step into other blocks (checked block for block), repeated.
+A hit's host work in ``start_load_kv`` (planning, pool calls, header checks, per-object
+Python) and a save's are the same on every device, so they are measured here, on CPU,
+with the real ``PoolWorker`` and a real local pool, no vLLM engine: one save step of a
+prompt, then one full-hit load step into other blocks (checked block for block),
+repeated (results: docs/benchmarks.md, "The worker's host time per hit and per save").
 
 Two parts of a step are timed apart, on whichever thread runs them: the device work (the
 copy-and-sum of ``segments.run_copy``: one kernel on an accelerator, torch ops here) and
@@ -52,11 +52,11 @@ sys.path.insert(0, os.environ.get("ASCEND_STORE_CHECKOUT", os.path.join(HERE, ".
 sys.path.insert(1, HERE)
 from lookup import fake_vllm  # noqa: E402
 
-from ascend_store import kernels  # noqa: E402
 from ascend_store.backends.local.launcher import ping  # noqa: E402
-from ascend_store.config import StoreConfig  # noqa: E402
-from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata  # noqa: E402
-from ascend_store.pool_worker import PoolWorker  # noqa: E402
+from ascend_store.common.config import StoreConfig  # noqa: E402
+from ascend_store.common.metadata import ChunkLoad, ChunkSave, StepMetadata  # noqa: E402
+from ascend_store.device import kernels  # noqa: E402
+from ascend_store.worker.pool_worker import PoolWorker  # noqa: E402
 
 # name: (layers, kv heads, head dim, block size), bf16, 256-token objects
 GEOMETRIES = {"qwen2.5-7b/b16": (28, 4, 128, 16), "llama3-8b/b16": (32, 8, 128, 16),
@@ -250,7 +250,8 @@ def main() -> None:
     sock = tempfile.mkdtemp(prefix="ascend-store-host-") + "/pool.sock"
     need = max(GEOMETRIES[g][0] * 2 * GEOMETRIES[g][1] * GEOMETRIES[g][2] * 2 for g in args.geometry)
     cap = need * max(args.tokens) * 2  # a round's objects, and room: older rounds are evicted
-    server = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", sock,
+    server = subprocess.Popen([sys.executable, "-m", "ascend_store.ops.cli",
+                               "pool", "serve", "--socket", sock,
                                "--capacity", str(cap)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               env={**os.environ, "PYTHONPATH": sys.path[0]}, cwd=sys.path[0])  # -m: cwd first
     timers = Timers()

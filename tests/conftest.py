@@ -37,8 +37,9 @@ def _dead_arenas() -> set[str]:
 @pytest.fixture(scope="session", autouse=True)
 def dev_shm_left_as_found():
     """Runs after the last test: no arena a pool of this run created may be left in
-    /dev/shm (issue 19). Pools that outlive their engine by up to one reap interval get
-    a few seconds to remove theirs."""
+    /dev/shm (a leaked arena holds its memory until it is removed or the host reboots).
+    Pools that outlive their engine by up to one reap interval get a few seconds to
+    remove theirs."""
     if not os.path.isdir(arena.SHM):
         yield
         return

@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 from ascend_store.backends.base import BackendUnavailable
 from ascend_store.backends.helper_protocol import ClientReset, StoreClient
 from ascend_store.backends.staged import StagedStoreBackend
-from ascend_store.config import MemcacheConfig
+from ascend_store.common.config import MemcacheConfig
 
 MISSING, SIZE_DIFFERS = -3007, -3012
 UNREACHABLE = (-3000, -3014)  # the meta service is gone (observed: put/get, batch_is_exist)

@@ -18,7 +18,7 @@ import socket
 from ascend_store.backends.base import BackendUnavailable
 from ascend_store.backends.helper_protocol import ClientReset, StoreClient
 from ascend_store.backends.staged import StagedStoreBackend
-from ascend_store.config import StoreServiceConfig
+from ascend_store.common.config import StoreServiceConfig
 
 RPC_FAILED = -900  # Mooncake's RPC_FAIL; codes at or below it mean the service is unreachable
 

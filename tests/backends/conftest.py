@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ascend_store.config import LocalPoolConfig, MemcacheConfig, StoreServiceConfig
+from ascend_store.common.config import LocalPoolConfig, MemcacheConfig, StoreServiceConfig
 from tests.e2e.conftest import Pool
 
 IN_NETNS = os.environ.get("ASCEND_STORE_NETNS") == "1"

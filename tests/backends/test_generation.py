@@ -1,4 +1,4 @@
-"""Issue 19: every backend reports a generation the scheduler's lookup cache can follow.
+"""Every backend reports a generation the scheduler's lookup cache can follow.
 
 Runs on the conformance fixtures (tests/backends/conftest.py): the local pool names each
 deleted object; Mooncake changes its epoch when the client is set up again after the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from ascend_store.backends.base import BackendUnavailable, Status, object_digest
-from ascend_store.hit_cache import BlockHitCache
+from ascend_store.scheduler.hit_cache import BlockHitCache
 
 
 def _put(b, key: str, size: int = 100) -> None:

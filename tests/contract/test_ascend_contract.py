@@ -55,8 +55,8 @@ def _accepts(fn: ast.FunctionDef, positional: int, keywords: set[str], bound: bo
 
 # -- torch_npu ---------------------------------------------------------------------------
 
-DEVICE = "ascend_store/device.py"
-# Calls on what torch.npu hands back (streams and events), made in device.py and
+DEVICE = "ascend_store/device/platform.py"
+# Calls on what torch.npu hands back (streams and events), made in device/platform.py and
 # device_path.py: (class, method, positional args, keywords).
 OBJECT_CALLS = [("Stream", "__new__", 0, {"device"}), ("Event", "__new__", 0, set()),
                 ("Event", "record", 1, set()), ("Event", "synchronize", 0, set()),
@@ -71,7 +71,7 @@ def torch_npu_wheels(request):
 def test_torch_npu_has_every_name_the_device_layer_calls(torch_npu_wheels):
     ours = _calls(ascend_store_tree(DEVICE), _is_attr("self", "_mod"))
     assert {m for m, *_ in ours} >= {"Stream", "Event", "stream", "current_stream"}
-    ours_src = "".join((REPO / f).read_text() for f in (DEVICE, "ascend_store/device_path.py"))
+    ours_src = "".join((REPO / f).read_text() for f in (DEVICE, "ascend_store/device/device_path.py"))
     for whl in torch_npu_wheels:
         exported = next(ast.literal_eval(n.value) for n in ast.walk(whl.tree("torch_npu/npu/__init__.py"))
                         if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "__all__")
@@ -214,7 +214,7 @@ def test_memcache_hybrid_has_every_config_field_we_set():
 
 def test_memcache_protocols_are_memcache_hybrids():
     mh = pytest.importorskip("memcache_hybrid")
-    from ascend_store.config import MEMCACHE_PROTOCOLS
+    from ascend_store.common.config import MEMCACHE_PROTOCOLS
 
     documented = set(re.findall(r"\b(?:host|device)_[a-z]+\b", mh.LocalConfig.protocol.__doc__))
     assert set(MEMCACHE_PROTOCOLS) == documented

@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 
-from ascend_store.config import ConfigError
-from ascend_store.keys import ENGINE_SCALED_KV_DTYPE, identity_from_vllm
+from ascend_store.common.config import ConfigError
+from ascend_store.common.keys import ENGINE_SCALED_KV_DTYPE, identity_from_vllm
 from tests.contract.conftest import REPO, distributions
 
 INT8_BACKEND = "vllm_ascend_quantized_kv_cache/methods/int8_dynamic/attention_backend.py"
@@ -144,9 +144,9 @@ def test_triattention_plan_marks_a_request_the_scheduler_never_publishes_again(p
     from vllm_ascend_kvcompress import stateful
     from vllm_ascend_kvcompress.transaction import PLAN_ATTRIBUTE
 
-    from ascend_store.compaction import KVCOMPRESS_PLANS
-    from ascend_store.config import StoreConfig
-    from ascend_store.pool_scheduler import PoolScheduler
+    from ascend_store.common.config import StoreConfig
+    from ascend_store.scheduler.compaction import KVCOMPRESS_PLANS
+    from ascend_store.scheduler.pool_scheduler import PoolScheduler
 
     assert PLAN_ATTRIBUTE == KVCOMPRESS_PLANS
     # 0.10.0 refuses to start with any KV connector at all (scheduler and worker side).

@@ -105,7 +105,7 @@ class Pool:
 
     def start(self) -> "Pool":
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", self.socket,
+            [sys.executable, "-m", "ascend_store.ops.cli", "pool", "serve", "--socket", self.socket,
              "--capacity", self.capacity, *self.extra], env={**os.environ, "PYTHONPATH": REPO},
             stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20

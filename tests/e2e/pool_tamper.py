@@ -21,9 +21,9 @@ import time
 from ascend_store.backends.local.arena import gc_arenas
 from ascend_store.backends.local.client import LocalBackend
 from ascend_store.backends.local.launcher import ping
-from ascend_store.config import LocalPoolConfig
-from ascend_store.keys import chunk_hashes
-from ascend_store.transfer import HEADER, HEADER_BYTES
+from ascend_store.common.config import LocalPoolConfig
+from ascend_store.common.keys import chunk_hashes
+from ascend_store.common.transfer import HEADER, HEADER_BYTES
 from tests.e2e.conftest import BLOCK, CHUNK_OF_SET, PROMPT_SETS
 
 
@@ -46,7 +46,8 @@ def main(op: str, socket: str, prompt: str = "basic:0", groups: str = "") -> Non
             time.sleep(0.01)
         gc_arenas()  # what an operator runs after a SIGKILL: the dead pool's arena goes
         if op == "restart":  # a new pool on the same socket, living as long as the engine
-            subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", socket,
+            subprocess.Popen([sys.executable, "-m", "ascend_store.ops.cli",
+                              "pool", "serve", "--socket", socket,
                               "--capacity", str(old["capacity"]), "--parent-pid", os.environ["ENGINE_PID"]],
                              start_new_session=True, stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -175,13 +175,13 @@ def main(job_path: str) -> None:
 
         kwargs["kv_events_config"] = KVEventsConfig(**job["kv_events"])
     if job.get("start_early"):
-        from ascend_store.pool_worker import PoolWorker
+        from ascend_store.worker.pool_worker import PoolWorker
 
         PoolWorker.starts_early = lambda self: True
     if job.get("full_graphs"):
         from vllm.config import CUDAGraphMode
 
-        from ascend_store.graph_steps import FullGraphSteps
+        from ascend_store.scheduler.graph_steps import FullGraphSteps
 
         resolve, mode = FullGraphSteps.__init__, CUDAGraphMode[job["full_graphs"]]
 

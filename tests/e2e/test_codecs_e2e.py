@@ -1,4 +1,4 @@
-"""Issue 6 against real engines: the int8 codec and a quantized (fp8) KV cache."""
+"""Codecs against real engines: the int8 codec and a quantized (fp8) KV cache."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ import pytest
 
 from ascend_store.backends.local.client import LocalBackend
 from ascend_store.backends.local.disk import file_name
-from ascend_store.config import LocalPoolConfig
-from ascend_store.keys import chunk_hashes
+from ascend_store.common.config import LocalPoolConfig
+from ascend_store.common.keys import chunk_hashes
 from tests.e2e.conftest import BLOCK, Pool, assert_same_outputs, kv_config, run_engine
 from tests.e2e.kv_subscriber import KVEventSubscriber
 from tests.e2e.test_kv_events_e2e import _vllm_block_hashes

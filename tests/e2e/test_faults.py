@@ -1,4 +1,4 @@
-"""Issue 10: every fault costs time, never tokens, and never the engine.
+"""Every fault costs time, never tokens, and never the engine.
 
 One engine serves the same prompts round after round; between rounds the injected
 fault changes (tests/e2e/faulty_backend.py) or the real pool is stopped, killed and
@@ -92,7 +92,7 @@ def test_fault_matrix_recomputes_with_correct_tokens(tmp_path, model, pool):
 def test_pool_stopped_killed_and_restarted_engine_reconnects(tmp_path, model, pool):
     pid_of = f"$(cat {tmp_path}/pid)"
     between = [
-        f"{sys.executable} -m ascend_store.cli pool status --socket {pool.socket} | "
+        f"{sys.executable} -m ascend_store.ops.cli pool status --socket {pool.socket} | "
         f"{sys.executable} -c 'import json,sys; print(json.load(sys.stdin)[\"pid\"])' > {tmp_path}/pid"
         f" && kill -STOP {pid_of}",                      # round 1: the pool hangs
         f"kill -CONT {pid_of} && {TAMPER} restart {pool.socket} && sleep 1",  # round 2: new, empty pool

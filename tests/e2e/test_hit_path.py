@@ -1,4 +1,4 @@
-"""Issue 18's engine claims (real vLLM, CPU): the default 256-token chunk objects with
+"""The hit path in real vLLM engines (CPU): the default 256-token chunk objects with
 vLLM's prefix caching on, a device-cache hit that ends inside an object, and a prompt's
 tail stored as a shorter object so at most one block is recomputed."""
 
@@ -38,7 +38,7 @@ def test_tail_of_a_1502_token_prompt_comes_from_the_pool(tmp_path, model, pool):
 
 
 def test_tail_of_a_1502_token_prompt_at_block_16(tmp_path, pool):
-    """(45 s) Issue 18's case as stated: 1,502 tokens, block 16 (vLLM CPU's MLA kernel), a
+    """(45 s) A prompt that is no multiple of the chunk: 1,502 tokens, block 16 (vLLM CPU's MLA kernel), a
     fresh engine gets 1,488 tokens (all 93 whole blocks: 5 chunks and a 13-block tail) from
     the pool and recomputes 14. Same greedy tokens as the engine that computed everything;
     logprobs within 0.1, not 1e-4: vLLM CPU's MLA runs the 14 tokens after a cached context

@@ -1,4 +1,4 @@
-"""Issue 4: hybrid models (Gated-DeltaNet + full attention) against real vLLM engines.
+"""Hybrid models (Gated-DeltaNet + full attention) against real vLLM engines.
 
 Tiny random bf16 Qwen3-Next and Qwen3.5 models (tests/e2e/models.py): layers 0 and 2
 are GDN (recurrent state), 1 and 3 full attention; vLLM picks 128-token blocks and

@@ -1,4 +1,4 @@
-"""Issue 5 against a real engine: 40 concurrent requests sharing a 90% prefix.
+"""Lookup economy against a real engine: 40 concurrent requests sharing a 90% prefix.
 
 All 40 are scheduled in one step (max_num_seqs=40, a large token budget), so per-round
 counts at the pool server are per-step counts. vLLM's prefix cache is off: every reuse
@@ -23,7 +23,7 @@ OBJECTS_PER_CHUNK = 1  # one chunk object holds all 4 layers (one KV cache group
 def test_forty_requests_one_query_per_key_and_cache_invalidation(tmp_path, model, pool):
     prompts = shared_prefix_prompts(40)
     stats = [tmp_path / f"stats{i}.json" for i in range(3)]
-    status = f"{sys.executable} -m ascend_store.cli pool status --socket {pool.socket}"
+    status = f"{sys.executable} -m ascend_store.ops.cli pool status --socket {pool.socket}"
     between = [f"{status} > {stats[0]}",
                f"{status} > {stats[1]} && {TAMPER} remove {pool.socket} shared:0"]
     r = run_engine(tmp_path, model, [prompts, prompts, prompts], kv_config(pool.socket),

@@ -1,4 +1,4 @@
-"""The pool namespace names the model by what decides its KV (ascend_store/fingerprint.py),
+"""The pool namespace names the model by what decides its KV (ascend_store/common/fingerprint.py),
 not by its path: changed weights or another RoPE at the same path miss, and the same
 checkpoint under another path (a copy, a symlink) hits.
 

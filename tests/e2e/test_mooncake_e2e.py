@@ -1,4 +1,4 @@
-"""Issue 3 against real engines and a real Mooncake master (inside a private network
+"""The Mooncake backend against real engines and a real Mooncake master (inside a private network
 namespace: `make test` runs this file with `unshare -n`)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 15: the pool under tensor and pipeline parallelism, in real vLLM CPU engines.
+"""The pool under tensor and pipeline parallelism, in real vLLM CPU engines.
 
 Ranks run as processes of their own (``distributed_executor_backend: mp``; the settings
 vLLM CPU needs are in tests/e2e/runner.py and docs/parallel.md). Every rank's connector
@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 
 from ascend_store.backends.local.client import LocalBackend
-from ascend_store.config import LocalPoolConfig
-from ascend_store.transfer import HEADER_BYTES
+from ascend_store.common.config import LocalPoolConfig
+from ascend_store.common.transfer import HEADER_BYTES
 from tests.e2e.conftest import (
     Pool,
     assert_same_outputs,

@@ -1,4 +1,4 @@
-"""Issue 19 against a real engine: a pool another user squats is refused, a pool whose
+"""Pool trust against a real engine: a pool another user squats is refused, a pool whose
 arena cannot be backed never starts, and either way every request completes by
 recompute with the tokens of a run without the pool. Each test starts one engine
 (about 40 s on the 2-core CI machine)."""
@@ -16,7 +16,7 @@ import pytest
 
 from ascend_store.backends.local.client import LocalBackend
 from ascend_store.backends.local.launcher import ping
-from ascend_store.config import LocalPoolConfig
+from ascend_store.common.config import LocalPoolConfig
 from tests.e2e.conftest import REPO, assert_same_outputs, kv_config, prompts, run_engine
 
 _CAN = os.getuid() == 0 and shutil.which("setpriv") and shutil.which("unshare")
@@ -34,7 +34,7 @@ def squatter():
     sock = os.path.join(base, f"ascend-store-{os.getuid()}", "pool.sock")
     proc = subprocess.Popen(
         ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", sys.executable, "-m",
-         "ascend_store.cli", "pool", "serve", "--socket", sock, "--capacity", "16MiB"],
+         "ascend_store.ops.cli", "pool", "serve", "--socket", sock, "--capacity", "16MiB"],
         env={**os.environ, "PYTHONPATH": REPO}, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20

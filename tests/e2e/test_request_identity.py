@@ -1,4 +1,4 @@
-"""Issue 19: requests with the same tokens but another cache_salt or LoRA adapter never
+"""Requests with the same tokens but another cache_salt or LoRA adapter never
 share pool objects (keys.request_extras), and every output equals a run without the pool.
 
 Two engines (about 30 s on the 2-core VM): a baseline without the pool, and one with the

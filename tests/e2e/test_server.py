@@ -77,7 +77,8 @@ def _value(metrics: str, name: str) -> float:
 
 def _bench(url: str, tmp_path, *args: str) -> tuple[str, dict]:
     out = subprocess.run(
-        [sys.executable, "-m", "ascend_store.cli", "bench", "--url", url, "--json", str(tmp_path / "b.json"),
+        [sys.executable, "-m", "ascend_store.ops.cli",
+         "bench", "--url", url, "--json", str(tmp_path / "b.json"),
          "--plot", str(tmp_path / "b.png"), *args],
         env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

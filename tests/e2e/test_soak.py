@@ -1,4 +1,4 @@
-"""Issue 10 soak: 2,000 requests through a pool small enough to evict all the time.
+"""Soak: 2,000 requests through a pool small enough to evict all the time.
 
 At the end nothing may be left pinned (leases, reservations), the scheduler may hold no
 finished request, and memory must stay flat from the second quarter on (the first warms
@@ -39,7 +39,7 @@ def soak_prompts() -> list[list[int]]:
 
 
 def test_soak_2000_requests_constant_eviction(tmp_path, model, pool_small):
-    status = f"{sys.executable} -m ascend_store.cli pool status --socket {pool_small.socket}"
+    status = f"{sys.executable} -m ascend_store.ops.cli pool status --socket {pool_small.socket}"
     stats = [tmp_path / f"s{i}.json" for i in range(ROUNDS)]
     prompts = soak_prompts()
     kv = kv_config(pool_small.socket, local={"start": "never"})

@@ -1,5 +1,5 @@
 """A fake ``torch_npu`` at the device-runtime boundary only, so the NPU device layer
-(ascend_store/device.py) and the worker run on CPU.
+(ascend_store/device/platform.py) and the worker run on CPU.
 
 What it fakes is what torch_npu provides: the ``npu`` device type (torch_npu renames
 PyTorch's privateuse1 backend; so does this, with PyTorch's own Python-backend device
@@ -8,7 +8,7 @@ streams and events, here host no-ops that record what was asked of them. NPU mem
 host memory: an ``npu`` tensor is an ``NpuTensor``, a tensor subclass whose ``device`` is
 ``npu`` and whose every op runs PyTorch's CPU kernel on the host tensor it wraps (views
 stay views of it, in-place ops write it); ``torch.empty``/``zeros``/``.to("npu")`` make
-them. Pinning is not faked here: device.py loads CANN's libascendcl.so through ctypes, so
+them. Pinning is not faked here: device/platform.py loads CANN's libascendcl.so through ctypes, so
 a test either leaves it absent (no pinning) or builds
 tests/backends/ascend_stub/driver_stub.c as that library.
 

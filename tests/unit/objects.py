@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ascend_store.segments import CopyPlanner, LayerCopy, PagePlan, StepPages
-from ascend_store.transfer import (
+from ascend_store.common.transfer import (
     HEADER_BYTES,
     CorruptObject,
     LayerLayout,
@@ -16,6 +15,7 @@ from ascend_store.transfer import (
     fault_messages,
     fingerprints,
 )
+from ascend_store.device.segments import CopyPlanner, LayerCopy, PagePlan, StepPages
 
 
 def header_faults(host: np.ndarray, offsets: list[int], sizes: list[int], keys: list[str],

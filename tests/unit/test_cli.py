@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from ascend_store import cli
 from ascend_store.backends.local.launcher import ping
+from ascend_store.ops import cli, pool_commands
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SUBCOMMANDS = [[], ["pool"], ["pool", "serve"], ["pool", "status"], ["pool", "inspect"], ["pool", "gc"],
@@ -25,7 +25,8 @@ SUBCOMMANDS = [[], ["pool"], ["pool", "serve"], ["pool", "status"], ["pool", "in
 
 
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ascend_store.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ascend_store.ops.cli",
+                           *args], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONPATH": REPO, **(env or {})})
 
 
@@ -134,7 +135,7 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path):
 
 def test_serve_refuses_a_socket_a_pool_answers_on(tmp_path):
     sock = str(tmp_path / "p" / "pool.sock")
-    pool = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", sock,
+    pool = subprocess.Popen([sys.executable, "-m", "ascend_store.ops.cli", "pool", "serve", "--socket", sock,
                              "--capacity", "16MiB"], env={**os.environ, "PYTHONPATH": REPO},
                             stderr=subprocess.DEVNULL)
     try:
@@ -151,11 +152,12 @@ def test_serve_refuses_a_socket_a_pool_answers_on(tmp_path):
 
 
 def test_capacity_check_names_both_numbers_and_force_overrides():
-    with pytest.raises(cli.UserError) as exc:
-        cli.check_capacity("3GiB", force=False, memory=2 * cli.GIB)
+    check, gib = pool_commands.check_capacity, pool_commands.GIB
+    with pytest.raises(pool_commands.UserError) as exc:
+        check("3GiB", force=False, memory=2 * gib)
     assert "3.0 GiB" in str(exc.value) and "2.0 GiB" in str(exc.value) and exc.value.code == 2
-    assert cli.check_capacity("3GiB", force=True, memory=2 * cli.GIB) == 3 * cli.GIB
-    assert cli.check_capacity("1GiB", force=False, memory=2 * cli.GIB) == cli.GIB
+    assert check("3GiB", force=True, memory=2 * gib) == 3 * gib
+    assert check("1GiB", force=False, memory=2 * gib) == gib
 
 
 def test_version_is_the_installed_packages():
@@ -169,7 +171,7 @@ def test_version_is_the_installed_packages():
 
 def _serve_until_it_answers_or_exits(sock: str) -> subprocess.CompletedProcess:
     """``pool serve`` on ``sock``: what it said if it exited, or the pool stopped once it answered."""
-    proc = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", sock,
+    proc = subprocess.Popen([sys.executable, "-m", "ascend_store.ops.cli", "pool", "serve", "--socket", sock,
                              "--capacity", "16MiB"], env={**os.environ, "PYTHONPATH": REPO},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
@@ -225,7 +227,8 @@ def test_a_closed_pipe_is_quiet(pool, cmd):
     r, w = os.pipe()
     os.close(r)  # like `| head -c1` once head has exited
     try:
-        out = subprocess.run([sys.executable, "-m", "ascend_store.cli", "pool", cmd, "--socket", pool.socket],
+        out = subprocess.run([sys.executable, "-m", "ascend_store.ops.cli",
+                              "pool", cmd, "--socket", pool.socket],
                              stdout=w, stderr=subprocess.PIPE, text=True, timeout=60,
                              env={**os.environ, "PYTHONPATH": REPO})
     finally:
@@ -302,7 +305,7 @@ def test_check_config_as_a_command():
 
 def test_commands_but_check_config_never_import_vllm(tmp_path):
     """vLLM's import takes seconds (torch); only check-config needs it, and only for valid JSON."""
-    code = ("import sys; from ascend_store import cli\n"
+    code = ("import sys; from ascend_store.ops import cli\n"
             "for argv in (['--version'], ['pool', 'gc', '--dir', sys.argv[1]], ['check-config', '{'],\n"
             "             ['pool', 'status', '--socket', sys.argv[1] + '/none.sock'],\n"
             "             ['pool', 'serve', '--capacity', '100TiB'], ['bench', '--url', 'http://127.0.0.1:1']):\n"

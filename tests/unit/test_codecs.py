@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ascend_store.codecs import RAW, Int8Codec, ZstdCodec, get_codec
-from ascend_store.transfer import (
+from ascend_store.common.codecs import RAW, Int8Codec, ZstdCodec, get_codec
+from ascend_store.common.transfer import (
     HEADER_BYTES,
     CorruptObject,
     LayerLayout,

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ascend_store.config import (
+from ascend_store.common.config import (
     ConfigError,
     LocalPoolConfig,
     StoreConfig,

@@ -7,7 +7,7 @@ import json
 import os
 import re
 
-from ascend_store.stats import COUNTERS, GAUGES, SECONDS
+from ascend_store.ops.stats import COUNTERS, GAUGES, SECONDS
 
 DASHBOARD = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "grafana", "ascend-store.json")
 _METRIC = re.compile(r"\b(vllm:[a-z_]+)")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ascend_store.decode_saves import DecodeChain
-from ascend_store.keys import chunk_hashes, request_extras
-from ascend_store.stats import IntervalCounters
+from ascend_store.common.keys import chunk_hashes, request_extras
+from ascend_store.ops.stats import IntervalCounters
+from ascend_store.scheduler.decode_saves import DecodeChain
 
 CHUNK = 32
 

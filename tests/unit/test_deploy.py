@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import tomllib
 
-from ascend_store.config import check_transfer_config
-from ascend_store.plugin import TESTED_VLLM
+from ascend_store.common.config import check_transfer_config
+from ascend_store.ops.plugin import TESTED_VLLM
 
 DEPLOY = os.path.join(os.path.dirname(__file__), "..", "..", "deploy")
 CONFIGS = sorted(glob.glob(os.path.join(DEPLOY, "configs", "*.json")))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ascend_store.device import Device
-from ascend_store.kernels import copy_segments_sum_torch
+from ascend_store.device.kernels import copy_segments_sum_torch
+from ascend_store.device.platform import Device
 
 
 def test_cpu_device_needs_no_streams_or_pinning():

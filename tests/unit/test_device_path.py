@@ -12,16 +12,16 @@ import mmap
 import pytest
 import torch
 
-from ascend_store.codecs import get_codec
-from ascend_store.device_path import DevicePath
-from ascend_store.device_work import LayerObjects
-from ascend_store.transfer import (
+from ascend_store.common.codecs import get_codec
+from ascend_store.common.transfer import (
     FLAG_WSUM,
     HEADER_BYTES,
     LayerLayout,
     object_bytes,
     seal,
 )
+from ascend_store.device.device_path import DevicePath
+from ascend_store.device.device_work import LayerObjects
 from tests.unit.objects import finish_save, header_faults, read_object
 
 NB, T, H, D = 12, 16, 2, 64
@@ -131,7 +131,7 @@ def test_a_batch_of_layers_loads_from_chunk_objects_with_one_plan(device):
     page of an object (the device held it) moves the rest."""
     import numpy as np
 
-    from ascend_store.segments import CopyPlanner, StepPages
+    from ascend_store.device.segments import CopyPlanner, StepPages
 
     torch.manual_seed(2)
     names = [f"L{i}" for i in range(4)]
@@ -192,8 +192,8 @@ def test_first_batches_staged_while_the_rest_is_planned_land_in_order(device, mo
     On CPU nothing is staged (the copy reads the arena)."""
     import numpy as np
 
-    from ascend_store import device_path
-    from ascend_store.segments import CopyPlanner, StepPages
+    from ascend_store.device import device_path
+    from ascend_store.device.segments import CopyPlanner, StepPages
 
     monkeypatch.setattr(device_path, "BATCH_BYTES", 1)  # every layer a batch of its own
     torch.manual_seed(3)
@@ -238,7 +238,7 @@ def test_equally_spaced_parts_move_as_one_2d_copy_each_run():
     distance that changes starts another run, and every run has one pitch."""
     import numpy as np
 
-    from ascend_store.segments import dma_runs
+    from ascend_store.device.segments import dma_runs
 
     offs = np.array([1000, 5000, 9000, 13000, 20000, 20512, 21024, 30000], dtype=np.int64)
     sizes = np.array([512] * 7 + [256], dtype=np.int64)
@@ -320,7 +320,7 @@ def test_steps_of_any_size_compile_no_kernel_after_warm_up():
     took hundreds of ms on the step's thread in the H200 runs of 16 requests at once.
     After ``warm_up``, raw and int8 steps of 1, 2, 7 and 16 objects (odd and even segment
     counts) load and save correctly and compile nothing."""
-    from ascend_store import kernels
+    from ascend_store.device import kernels
 
     def variants():
         return sum(len(c[0]) for k in (kernels._load_rows_kernel, kernels._copy_segments_sum_kernel,

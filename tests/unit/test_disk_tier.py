@@ -139,11 +139,11 @@ def test_status_shows_both_tiers_and_one_pool_per_directory(disk_pool, sockdir):
     c = pool.client()
     _fill(c, 15)
     c.close()
-    cmd = [sys.executable, "-m", "ascend_store.cli", "pool", "status", "--socket", pool.socket]
+    cmd = [sys.executable, "-m", "ascend_store.ops.cli", "pool", "status", "--socket", pool.socket]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     st = json.loads(out.stdout)
     assert st["used_bytes"] > 0 and st["disk"]["objects"] == st["spilled"] == 5, st
-    other = subprocess.run([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket",
+    other = subprocess.run([sys.executable, "-m", "ascend_store.ops.cli", "pool", "serve", "--socket",
                             os.path.join(sockdir, "b.sock"), "--capacity", "1MiB",
                             "--disk-path", os.path.join(sockdir, "disk")], capture_output=True, text=True)
     assert other.returncode == 2 and "used by another running pool" in other.stderr
@@ -151,7 +151,7 @@ def test_status_shows_both_tiers_and_one_pool_per_directory(disk_pool, sockdir):
 
 def test_an_engine_started_pool_gets_the_configured_disk_tier(sockdir):
     from ascend_store.backends.local.client import LocalBackend
-    from ascend_store.config import LocalPoolConfig
+    from ascend_store.common.config import LocalPoolConfig
 
     disk = os.path.join(sockdir, "edisk")
     cfg = LocalPoolConfig(socket=os.path.join(sockdir, "e.sock"), capacity=2**20, start="auto",

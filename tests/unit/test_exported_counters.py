@@ -13,8 +13,8 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 import ascend_store
-from ascend_store import stats
 from ascend_store.backends.base import Status
+from ascend_store.ops import stats
 
 PKG = pathlib.Path(ascend_store.__file__).parent
 # The pool process's own counters, shown by `ascend-store pool status`, not by vLLM.

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ascend_store import fingerprint
-from ascend_store.config import ConfigError
-from ascend_store.fingerprint import config_digest, hub_snapshot, model_fingerprint, weights_digest
+from ascend_store.common import fingerprint
+from ascend_store.common.config import ConfigError
+from ascend_store.common.fingerprint import config_digest, hub_snapshot, model_fingerprint, weights_digest
 
 SHAPES = {"embed.weight": (64, 32), **{f"layers.{i}.{p}.weight": (32, 32) for i in range(3) for p in "qkvo"},
           "norm.weight": (32,)}
@@ -185,7 +185,7 @@ def test_config_digest_ignores_paths_and_versions_not_rope(tmp_path):
 
 def test_scheduler_and_workers_agree_across_processes(tmp_path):
     a = _checkpoint(tmp_path / "a")
-    code = ("import sys; from ascend_store.fingerprint import weights_digest, config_digest; "
+    code = ("import sys; from ascend_store.common.fingerprint import weights_digest, config_digest; "
             "print(weights_digest(sys.argv[1])[0], config_digest({'x': {1, 2}, 'y': object()}))")
     outs = {tuple(subprocess.run([sys.executable, "-c", code, a], env={**os.environ, "PYTHONHASHSEED": seed},
                                  capture_output=True, text=True, check=True, timeout=120).stdout.split()[-2:])

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ascend_store.graph_steps import FullGraphSteps
+from ascend_store.scheduler.graph_steps import FullGraphSteps
 
 
 def resolved(tmp_path, mode: str, spec_tokens: int = 0, eager: bool = False):

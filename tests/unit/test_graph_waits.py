@@ -6,8 +6,7 @@ blocks. A step marked ``full_graph`` then starts its load without a whole-load w
 load stream is held back 50 ms first, so a graph that did not wait per layer reads the
 blocks before they land. The control graph, captured without the worker's waits, must
 read them unloaded, or this test could not see a missing wait. Needs CUDA and vLLM
-(skipped elsewhere). Not yet run: it was written after the session's device time ran
-out (docs/benchmarks.md, nineteenth pass).
+(skipped elsewhere); ``make gpu-test`` runs it with the other CUDA-only tests.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ascend_store.metadata import ChunkLoad, StepMetadata
+from ascend_store.common.metadata import ChunkLoad, StepMetadata
 from tests.unit.test_load_queue import _worker_with_two_saved_chunks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ascend_store.hit_cache import BlockHitCache
-from ascend_store.stats import AscendStoreStats, IntervalCounters
+from ascend_store.ops.stats import AscendStoreStats, IntervalCounters
+from ascend_store.scheduler.hit_cache import BlockHitCache
 
 
 class Clock:

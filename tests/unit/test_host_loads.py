@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from ascend_store import host_loads
-from ascend_store.codecs import RAW
-from ascend_store.segments import StepPages
-from ascend_store.transfer import (
+from ascend_store.common.codecs import RAW
+from ascend_store.common.transfer import (
     FLAG_CRC,
     FLAG_WSUM,
     HEADER_BYTES,
@@ -23,6 +21,8 @@ from ascend_store.transfer import (
     seal_headers,
     write_object,
 )
+from ascend_store.device.segments import StepPages
+from ascend_store.worker import host_loads
 
 BLOCKS, PAGES = 24, 4  # cache blocks; pages per object
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ascend_store.codecs import get_codec
-from ascend_store.hybrid import DeferredStateCopies, state_layout
-from ascend_store.transfer import HEADER_BYTES, CorruptObject, object_bytes, write_object
+from ascend_store.common.codecs import get_codec
+from ascend_store.common.transfer import HEADER_BYTES, CorruptObject, object_bytes, write_object
+from ascend_store.worker.hybrid import DeferredStateCopies, state_layout
 from tests.unit.objects import read_object
 
 BLOCKS, PAGE = 6, 4096

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from ascend_store import int8_path, kernels
-from ascend_store.checksum import word_sums
-from ascend_store.codecs import get_codec
-from ascend_store.segments import StepPages
-from ascend_store.transfer import HEADER_BYTES, LayerLayout
+from ascend_store.common.checksum import word_sums
+from ascend_store.common.codecs import get_codec
+from ascend_store.common.transfer import HEADER_BYTES, LayerLayout
+from ascend_store.device import int8_path, kernels
+from ascend_store.device.segments import StepPages
 
 NB, T, H, D = 12, 16, 2, 64
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ascend_store.keys import (
+from ascend_store.common.keys import (
     KEY_RE,
     KeyExtras,
     KeySpace,
@@ -23,7 +23,7 @@ from ascend_store.keys import (
     normalize_model_name,
     partial_hashes,
 )
-from ascend_store.layers import layer_ids
+from ascend_store.common.layers import layer_ids
 
 # chunk_hashes(list(range(64)), 32), computed once; a change here breaks every stored key.
 GOLDEN_0_64_32 = ["85439dd1e63b34a61c769dee3d5da79a", "bf63c0d896568259099a14fc5bc6c665"]
@@ -44,7 +44,7 @@ def test_chunk_hashes_golden():
 def test_chunk_hashes_stable_across_hash_seeds():
     tokens = [(i * 7919) % 151936 for i in range(100)]
     expected = chunk_hashes(tokens, 16)
-    code = ("import json, sys; from ascend_store.keys import chunk_hashes; "
+    code = ("import json, sys; from ascend_store.common.keys import chunk_hashes; "
             "print(json.dumps(chunk_hashes(json.loads(sys.argv[1]), 16)))")
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
@@ -260,14 +260,14 @@ VARIANTS = {
 
 
 def _ours(kw, chunk=16):
-    from ascend_store.keys import request_extras
+    from ascend_store.common.keys import request_extras
 
     req = _vllm_request(TOKENS, **kw)
     return chunk_hashes(req.prompt_token_ids, chunk, request_extras(req, chunk))
 
 
 def test_plain_request_has_no_extras_and_keeps_the_golden_chain():
-    from ascend_store.keys import request_extras
+    from ascend_store.common.keys import request_extras
 
     req = _vllm_request(list(range(64)), block_size=32)
     assert request_extras(req, 32) is None
@@ -304,7 +304,7 @@ def test_identity_separates_what_it_must():
 def test_prompt_embeds_are_part_of_the_chunks():
     import torch
 
-    from ascend_store.keys import request_extras
+    from ascend_store.common.keys import request_extras
 
     emb = torch.randn(64, 8, dtype=torch.bfloat16)
     other = emb.clone()
@@ -334,8 +334,8 @@ def test_extras_stable_across_hash_seeds():
 
 
 def test_dynamic_kv_scales_are_refused_with_the_reason():
-    from ascend_store.config import ConfigError
-    from ascend_store.keys import identity_from_vllm
+    from ascend_store.common.config import ConfigError
+    from ascend_store.common.keys import identity_from_vllm
 
     cfg = SimpleNamespace(
         model_config=SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
@@ -350,8 +350,8 @@ def test_dynamic_kv_scales_are_refused_with_the_reason():
 
 def test_int8_plugin_kv_cache_is_refused_with_the_reason():
     """vllm-ascend-quantized-kv-cache's ``int8`` cache: scales per engine (docs/ascend.md)."""
-    from ascend_store.config import ConfigError
-    from ascend_store.keys import identity_from_vllm
+    from ascend_store.common.config import ConfigError
+    from ascend_store.common.keys import identity_from_vllm
 
     cfg = SimpleNamespace(
         model_config=SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
@@ -367,7 +367,7 @@ def test_int8_plugin_kv_cache_is_refused_with_the_reason():
 def test_namespace_names_the_model_by_content_not_path(tmp_path):
     """A copy of the checkpoint shares the namespace; other weights at the same path, or
     the same weights with another RoPE, do not (fingerprint.py)."""
-    from ascend_store.keys import identity_from_vllm
+    from ascend_store.common.keys import identity_from_vllm
     from tests.unit.test_fingerprint import _checkpoint, _llama_config
 
     def ns(path, hf_config) -> str:

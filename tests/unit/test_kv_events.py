@@ -10,12 +10,12 @@ import os
 
 import pytest
 
-from ascend_store import kv_events
 from ascend_store.backends.base import Backend
 from ascend_store.backends.local.client import LocalBackend
 from ascend_store.backends.local.events import EventLog
-from ascend_store.keys import KeySpace
-from ascend_store.kv_events import KVEventFeed
+from ascend_store.common.keys import KeySpace
+from ascend_store.scheduler import kv_events
+from ascend_store.scheduler.kv_events import KVEventFeed
 from tests.unit.test_local_pool import Pool, _get, _pattern, _put
 
 NS = "ns"

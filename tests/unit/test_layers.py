@@ -15,7 +15,7 @@ def test_full_attention_and_align_mode_state_groups_are_accepted():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-    from ascend_store.layers import ATTN, STATE, group_kinds
+    from ascend_store.common.layers import ATTN, STATE, group_kinds
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,), mamba_cache_mode="align")
@@ -29,8 +29,8 @@ def test_unsupported_groups_stop_the_engine_by_name():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-    from ascend_store.config import ConfigError
-    from ascend_store.layers import group_kinds
+    from ascend_store.common.config import ConfigError
+    from ascend_store.common.layers import group_kinds
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     swa = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
@@ -57,7 +57,7 @@ def test_vllm_zeroes_new_blocks_of_hybrid_models_so_their_loads_start_late():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
-    from ascend_store.pool_worker import zeroes_new_blocks
+    from ascend_store.worker.pool_worker import zeroes_new_blocks
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,), mamba_cache_mode="align")

@@ -14,8 +14,8 @@ import threading
 import pytest
 import torch
 
-from ascend_store import host_loads
-from ascend_store.metadata import ChunkLoad, StepMetadata
+from ascend_store.common.metadata import ChunkLoad, StepMetadata
+from ascend_store.worker import host_loads
 from tests.unit.test_load_queue import _worker_with_two_saved_chunks
 
 TIMEOUT_S = 0.05  # load_timeout_s: the forward's first wait gives up after this

@@ -24,7 +24,7 @@ from ascend_store.backends.guard import GuardedBackend
 from ascend_store.backends.local import protocol
 from ascend_store.backends.local.client import LocalBackend
 from ascend_store.backends.local.launcher import ensure_pool, ping
-from ascend_store.config import LocalPoolConfig
+from ascend_store.common.config import LocalPoolConfig
 
 CAPACITY = 4 * 2**20
 KiB = 2**10
@@ -69,7 +69,7 @@ class Pool:
 
     def start(self) -> Pool:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", self.socket,
+            [sys.executable, "-m", "ascend_store.ops.cli", "pool", "serve", "--socket", self.socket,
              "--capacity", self.capacity, *self.extra],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
@@ -622,7 +622,7 @@ def test_guard_backoff_doubles_caps_and_resets(sockdir):
 # -- command line ------------------------------------------------------------------------------
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "ascend_store.cli", "pool", *args],
+    return subprocess.run([sys.executable, "-m", "ascend_store.ops.cli", "pool", *args],
                           capture_output=True, text=True, timeout=30, check=False)
 
 
@@ -657,7 +657,7 @@ PARENT = textwrap.dedent("""
     import sys
     from ascend_store.backends.local.client import LocalBackend
     from ascend_store.backends.local.launcher import ping
-    from ascend_store.config import LocalPoolConfig
+    from ascend_store.common.config import LocalPoolConfig
     cfg = LocalPoolConfig(socket=sys.argv[1], capacity=1 << 20, start="auto", idle_exit_s=0.5)
     client = LocalBackend(cfg)  # starts the pool (ensure_pool) unless one answers
     print(client.started or 0, ping(cfg.socket)["pid"], flush=True)

@@ -11,10 +11,10 @@ import time
 
 from ascend_store.backends.base import Status
 from ascend_store.backends.guard import GuardedBackend
-from ascend_store.hit_cache import BlockHitCache
-from ascend_store.keys import KeySpace
-from ascend_store.lookups import TAIL_TAG, LookupState, PoolLookups
-from ascend_store.stats import IntervalCounters
+from ascend_store.common.keys import KeySpace
+from ascend_store.ops.stats import IntervalCounters
+from ascend_store.scheduler.hit_cache import BlockHitCache
+from ascend_store.scheduler.lookups import TAIL_TAG, LookupState, PoolLookups
 
 KS = KeySpace("ns", "tp0of1")
 

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ascend_store import device as device_mod
-from ascend_store.device import Device, PinError, batched_copies
+from ascend_store.device import platform as device_mod
+from ascend_store.device.platform import Device, PinError, batched_copies
 from tests.unit import fake_npu
 
 STUB = Path(__file__).parents[1] / "backends" / "ascend_stub" / "driver_stub.c"
 
 
 def _cann(tmp_path, monkeypatch, host_register: bool) -> None:
-    """A CANN home whose libascendcl.so is the stub; device.py finds it there."""
+    """A CANN home whose libascendcl.so is the stub; device/platform.py finds it there."""
     if shutil.which("gcc") is None:
         pytest.skip("gcc is needed to build the CANN stub")
     home = tmp_path / ("cann" if host_register else "cann-old")

@@ -8,7 +8,7 @@ subclass whose device is ``npu`` (PyTorch cannot make npu tensors without torch_
 renaming privateuse1 alone leaves it without an allocator, a device guard or kernels;
 the subclass plus PyTorch's Python-backend guard is the smallest thing that does). CANN
 is the stub driver (tests/backends/ascend_stub/driver_stub.c) built as libascendcl.so
-without the host-registration entry points, reached through device.py's real ctypes
+without the host-registration entry points, reached through device/platform.py's real ctypes
 path, or no libascendcl.so at all. Everything else is real: registration of (K, V) and
 MLA (nope, rope) tuples allocated the way vllm-ascend's model runner allocates them
 (raw int8 buffers viewed as the cache dtype and shape), the pool, the objects' headers
@@ -32,9 +32,9 @@ import sys
 import pytest
 import torch
 
-from ascend_store.config import StoreConfig
-from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata
-from ascend_store.pool_worker import PoolWorker
+from ascend_store.common.config import StoreConfig
+from ascend_store.common.metadata import ChunkLoad, ChunkSave, StepMetadata
+from ascend_store.worker.pool_worker import PoolWorker
 from tests.unit import fake_npu
 from tests.unit.test_npu_device import _cann
 

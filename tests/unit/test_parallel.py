@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ascend_store.config import ConfigError
-from ascend_store.keys import identity_from_vllm
-from ascend_store.parallel import head_slices, sharding
+from ascend_store.common.config import ConfigError
+from ascend_store.common.keys import identity_from_vllm
+from ascend_store.common.parallel import head_slices, sharding
 
 
 def _parallel(tp: int, pp: int = 1, mla: bool = False, kv_heads: int = 8):
@@ -100,8 +100,8 @@ def _worker(pool, monkeypatch, tp: int, rank: int, copy_path: str = "auto"):
     of a 4-layer model of 4 KV heads (a real local pool; ranks are set, not spawned)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from ascend_store import pool_worker
-    from ascend_store.config import StoreConfig
+    from ascend_store.common.config import StoreConfig
+    from ascend_store.worker import pool_worker
 
     monkeypatch.setattr(pool_worker, "_ranks", lambda: (rank, 0))
     cfg = _parallel(tp, kv_heads=HEADS)
@@ -116,7 +116,7 @@ def _worker(pool, monkeypatch, tp: int, rank: int, copy_path: str = "auto"):
 
 
 def _save(worker, caches, blocks, chunk):
-    from ascend_store.metadata import ChunkSave, StepMetadata
+    from ascend_store.common.metadata import ChunkSave, StepMetadata
 
     meta = StepMetadata(saves=[ChunkSave("r", 0, f"{chunk + i:032x}", [b]) for i, b in enumerate(blocks)],
                         commit_now=True)  # published when wait_for_save returns
@@ -126,7 +126,7 @@ def _save(worker, caches, blocks, chunk):
 
 
 def _load(worker, caches, blocks, chunk):
-    from ascend_store.metadata import ChunkLoad, StepMetadata
+    from ascend_store.common.metadata import ChunkLoad, StepMetadata
 
     meta = StepMetadata(loads=[ChunkLoad("r", 0, f"{chunk + i:032x}", [b]) for i, b in enumerate(blocks)])
     worker.handle_preemptions(meta)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from types import SimpleNamespace
 
-from ascend_store.pd_wait import POLL_S, PREFILLED, ProducerWait
+from ascend_store.scheduler.pd_wait import POLL_S, PREFILLED, ProducerWait
 
 
 class Clock:

@@ -12,8 +12,8 @@ import time
 import pytest
 import tomllib
 
-from ascend_store.config import ConfigError
-from ascend_store.plugin import TESTED_VLLM, check_engine_args, is_tested_vllm
+from ascend_store.common.config import ConfigError
+from ascend_store.ops.plugin import TESTED_VLLM, check_engine_args, is_tested_vllm
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WARNING = "outside the versions ascend-store is tested with"
@@ -48,7 +48,7 @@ def test_tested_range_is_the_readme_statements(version, tested):
 CONNECTOR_PATH = """
 import subprocess, sys
 from types import SimpleNamespace
-from ascend_store.config import check_transfer_config
+from ascend_store.common.config import check_transfer_config
 for _ in range(2):
     check_transfer_config(SimpleNamespace(kv_role="kv_both", kv_connector_extra_config={}))
 if sys.argv[1] == "engine":  # the engine's next process inherits its environment
@@ -65,7 +65,7 @@ def test_an_untested_vllm_is_said_once_per_engine_on_the_connector_path(tmp_path
 
 def test_an_untested_vllm_is_said_once_by_the_engine_args_check(tmp_path):
     # "+cpu": how vLLM tells its CPU build (its platform detection reads the version too).
-    code = ("from ascend_store.plugin import check_engine_args\n"
+    code = ("from ascend_store.ops.plugin import check_engine_args\n"
             "for _ in range(2):\n"
             "    check_engine_args({'kv_connector': 'AscendStoreConnector', 'kv_role': 'kv_both',\n"
             "                       'kv_load_failure_policy': 'recompute'})\n")
@@ -130,7 +130,8 @@ def test_a_capacity_that_fits_or_is_not_ours_to_start_passes(tmp_path):
     check_engine_args(_kv({"socket": socket}))  # the default: a share of what is free
     # With start: never only a standalone pool serves, with its own --capacity.
     check_engine_args(_kv({"socket": socket, "capacity": "64TiB", "start": "never"}))
-    pool = subprocess.Popen([sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", socket,
+    pool = subprocess.Popen([sys.executable, "-m", "ascend_store.ops.cli",
+                             "pool", "serve", "--socket", socket,
                              "--capacity", "4MiB"], env={**os.environ, "PYTHONPATH": REPO},
                             stderr=subprocess.DEVNULL)
     try:

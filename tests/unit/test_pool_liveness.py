@@ -20,12 +20,12 @@ import time
 import pytest
 import torch
 
-from ascend_store import host_loads
 from ascend_store.backends.base import BackendUnavailable, Status
 from ascend_store.backends.local.client import LocalBackend
 from ascend_store.backends.local.launcher import ping
-from ascend_store.config import LocalPoolConfig
-from ascend_store.metadata import ChunkLoad, StepMetadata
+from ascend_store.common.config import LocalPoolConfig
+from ascend_store.common.metadata import ChunkLoad, StepMetadata
+from ascend_store.worker import host_loads
 from tests.unit.test_load_queue import _worker_with_two_saved_chunks
 from tests.unit.test_local_pool import KiB, Pool, _get, _pattern, _put, _reap_orphan, _running, _wait
 
@@ -147,7 +147,7 @@ CLIENT = textwrap.dedent("""
     import sys
     from ascend_store.backends.base import Status
     from ascend_store.backends.local.client import LocalBackend
-    from ascend_store.config import LocalPoolConfig
+    from ascend_store.common.config import LocalPoolConfig
     b = LocalBackend(LocalPoolConfig(socket=sys.argv[1], start="never"), timeout_s=2.0)
     assert b.reserve(["held/w"], [1000])[0].status is Status.OK
     assert b.lease(["held/r"])[0].status is Status.OK
@@ -182,7 +182,7 @@ def test_a_killed_clients_leases_and_reservations_are_reclaimed_after_their_ttl(
 STARTER = textwrap.dedent("""
     import sys
     from ascend_store.backends.local.client import LocalBackend
-    from ascend_store.config import LocalPoolConfig
+    from ascend_store.common.config import LocalPoolConfig
     b = LocalBackend(LocalPoolConfig(socket=sys.argv[1], capacity=1 << 20, start="auto",
                                      idle_exit_s=0.5), timeout_s=2.0)
     b.stats()

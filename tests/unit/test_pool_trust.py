@@ -1,4 +1,4 @@
-"""Issue 19: whom the local pool client trusts, how the arena is backed, how long it lives.
+"""Whom the local pool client trusts, how the arena is backed, how long it lives.
 
 Real pool processes and files throughout. "Another user" is uid 65534 (nobody): the
 tests run as root, so they can hand files to it with chown, and run a pool as it with
@@ -23,7 +23,7 @@ from ascend_store.backends.local import arena, protocol
 from ascend_store.backends.local.client import LocalBackend
 from ascend_store.backends.local.launcher import gc_arenas, ping
 from ascend_store.backends.local.trust import UntrustedPool
-from ascend_store.config import LocalPoolConfig
+from ascend_store.common.config import LocalPoolConfig
 from tests.unit.test_local_pool import CAPACITY, Pool, _get, _put, _wait
 
 OTHER_UID = 65534
@@ -218,7 +218,7 @@ STARTER = textwrap.dedent("""
     import logging, sys
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     from ascend_store.backends.local.client import LocalBackend
-    from ascend_store.config import LocalPoolConfig
+    from ascend_store.common.config import LocalPoolConfig
     cfg = LocalPoolConfig(socket=sys.argv[1], capacity=64 << 20, start="auto")
     clients = [LocalBackend(cfg, timeout_s=1.0) for _ in range(2)]  # a scheduler and a worker
     for c in clients:
@@ -239,7 +239,7 @@ def _in_small_tmpfs(d: str, *cmd: str) -> subprocess.CompletedProcess:
 @root_only
 def test_arena_that_cannot_be_backed_fails_the_start_with_a_clear_error(sockdir):
     d = os.path.join(sockdir, "small")
-    r = _in_small_tmpfs(d, sys.executable, "-m", "ascend_store.cli", "pool", "serve",
+    r = _in_small_tmpfs(d, sys.executable, "-m", "ascend_store.ops.cli", "pool", "serve",
                         "--socket", os.path.join(d, "pool.sock"), "--capacity", "64MiB")
     assert r.returncode == 2, r.stderr
     assert "pool not started: the pool's arena of 67108864 bytes does not fit in" in r.stderr
@@ -301,7 +301,7 @@ def test_the_last_clients_death_removes_the_arena(sockdir):
         import sys
         from ascend_store.backends.local.client import LocalBackend
         from ascend_store.backends.local.launcher import ping
-        from ascend_store.config import LocalPoolConfig
+        from ascend_store.common.config import LocalPoolConfig
         LocalBackend(LocalPoolConfig(socket=sys.argv[1], capacity=1 << 20, idle_exit_s=0.5))
         print(ping(sys.argv[1])["arena"], flush=True)
         sys.stdin.readline()

@@ -14,9 +14,9 @@ import sys
 import threading
 import time
 
-from ascend_store.config import StoreConfig
-from ascend_store.metadata import ChunkSave, StepMetadata
-from ascend_store.pool_worker import PoolWorker
+from ascend_store.common.config import StoreConfig
+from ascend_store.common.metadata import ChunkSave, StepMetadata
+from ascend_store.worker.pool_worker import PoolWorker
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from worker_host import engine_parts  # noqa: E402

@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 
-from ascend_store import seams
+from ascend_store.common import seams
 
 
 def _register_cpu_gdn_op():

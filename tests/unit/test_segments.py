@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from ascend_store.checksum import wsum_host
-from ascend_store.codecs import get_codec
-from ascend_store.segments import fold_alike, page_plan, run_copy, storage_words, to_device_rows
-from ascend_store.transfer import (
+from ascend_store.common.checksum import wsum_host
+from ascend_store.common.codecs import get_codec
+from ascend_store.common.transfer import (
     HEADER_BYTES,
     CorruptObject,
     LayerLayout,
@@ -23,6 +22,7 @@ from ascend_store.transfer import (
     seal,
     write_object,
 )
+from ascend_store.device.segments import fold_alike, page_plan, run_copy, storage_words, to_device_rows
 from tests.unit.objects import plan_objects, read_object
 
 NB, T, H, D = 8, 16, 2, 8
@@ -128,7 +128,7 @@ def test_stage_layout_puts_every_part_where_its_batch_reads_it(gap):
     """A batch's parts, staged by the spans ``stage_layout`` returns, sit at the offsets it
     returns for them: one span per object when the layers' parts are back to back (chunk
     objects, gap 0), one per part otherwise. Parts of a shorter tail object included."""
-    from ascend_store.segments import stage_layout
+    from ascend_store.device.segments import stage_layout
 
     rng = np.random.default_rng(3)
     arena = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
@@ -155,7 +155,7 @@ def test_batches_laid_out_alike_share_one_dma_plan_shifted():
     """A step's one-layer batches of chunk objects sit at the same distances from their
     first part: ``dma_plans`` plans one and shifts it; each equals planning it alone. With
     a prompt's shorter tail object the layers' parts drift apart: each plans alone."""
-    from ascend_store.segments import dma_plan, dma_plans
+    from ascend_store.device.segments import dma_plan, dma_plans
 
     part = 4096
     objects = np.array([0, 1, 2, 5]) * 40 * part  # the last one is elsewhere in the arena

@@ -19,13 +19,13 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
-from ascend_store import kernels
-from ascend_store.config import StoreConfig
-from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata
-from ascend_store.pool_worker import PoolWorker
-from ascend_store.segments import WORD
-from ascend_store.selftest import PoolOff
-from ascend_store.transfer import LayerLayout
+from ascend_store.common.config import StoreConfig
+from ascend_store.common.metadata import ChunkLoad, ChunkSave, StepMetadata
+from ascend_store.common.transfer import LayerLayout
+from ascend_store.device import kernels
+from ascend_store.device.segments import WORD
+from ascend_store.worker.pool_worker import PoolWorker
+from ascend_store.worker.selftest import PoolOff
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from lookup import fake_vllm  # noqa: E402

@@ -9,7 +9,7 @@ import threading
 import time
 from collections import Counter
 
-from ascend_store.stats import GAUGES, IntervalCounters
+from ascend_store.ops.stats import GAUGES, IntervalCounters
 
 STRESS_S = 10.0
 

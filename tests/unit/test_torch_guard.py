@@ -13,7 +13,7 @@ import zipfile
 
 import pytest
 
-from ascend_store.torch_guard import needed_libraries
+from ascend_store.ops.torch_guard import needed_libraries
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GCC = shutil.which("gcc")
@@ -88,7 +88,7 @@ def pth(tmp_path_factory) -> bytes:
                     str(tmp), str(src)], check=True, capture_output=True, timeout=300)
     (wheel,) = glob.glob(str(tmp / "ascend_store-*.whl"))
     with zipfile.ZipFile(wheel) as z:
-        assert "ascend_store/torch_guard.py" in z.namelist()
+        assert "ascend_store/ops/torch_guard.py" in z.namelist()
         return z.read("ascend_store-torch-guard.pth")  # at the wheel's root: site-packages
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from ascend_store.codecs import RAW
-from ascend_store.transfer import (
+from ascend_store.common.codecs import RAW
+from ascend_store.common.transfer import (
     FLAG_WSUM,
     HEADER_BYTES,
     CorruptObject,

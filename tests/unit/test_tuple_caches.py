@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
-from ascend_store.config import StoreConfig
-from ascend_store.metadata import ChunkLoad, ChunkSave, StepMetadata
-from ascend_store.pool_worker import PoolWorker
+from ascend_store.common.config import StoreConfig
+from ascend_store.common.metadata import ChunkLoad, ChunkSave, StepMetadata
+from ascend_store.worker.pool_worker import PoolWorker
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from lookup import fake_vllm  # noqa: E402

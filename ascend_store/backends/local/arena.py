@@ -96,7 +96,7 @@ def abandoned(path: str) -> bool:
 def default_dirs() -> list[str]:
     """Where arenas live unless a pool was told otherwise: /dev/shm, and beside the default
     socket (where a pool puts its arena when /dev/shm is too small)."""
-    from ascend_store.config import default_socket_path
+    from ascend_store.common.config import default_socket_path
 
     return [SHM, os.path.dirname(default_socket_path())]
 

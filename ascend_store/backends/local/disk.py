@@ -27,7 +27,7 @@ import struct
 import zlib
 from collections import OrderedDict
 
-from ascend_store.keys import KEY_RE
+from ascend_store.common.keys import KEY_RE
 
 log = logging.getLogger("ascend_store.pool")
 MAGIC = b"ASDISK01"

@@ -4,7 +4,7 @@ Every ready object that appears in a tier (commit, a spill to disk, a promotion 
 memory) or leaves one (eviction, removal, a disk file dropped) appends one entry. The log
 is a bounded ring with a running sequence number; a reader asks for the entries after the
 last sequence number it saw (op ``events``) and learns how many it missed when it lagged
-more than the ring holds. Readers are the schedulers' KV event feeds (ascend_store/kv_events.py).
+more than the ring holds. Readers are the schedulers' KV event feeds (ascend_store/scheduler/kv_events.py).
 """
 
 from __future__ import annotations

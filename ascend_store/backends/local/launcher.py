@@ -108,7 +108,7 @@ def _start(cfg) -> int | None:
     exits at once, so the pool is no descendant of this process: vLLM's shutdown kills
     every descendant of the engine with SIGKILL, which would leave the arena behind and end
     the pool under the other engines using it."""
-    cmd = [sys.executable, "-m", "ascend_store.cli", "pool", "serve", "--socket", cfg.socket,
+    cmd = [sys.executable, "-m", "ascend_store.ops.cli", "pool", "serve", "--socket", cfg.socket,
            "--capacity", str(cfg.capacity), "--lease-ttl", str(cfg.lease_ttl_s),
            "--idle-exit", str(cfg.idle_exit_s)]
     if cfg.disk_path:

@@ -95,7 +95,7 @@ class LocalPoolConfig:
 
     @classmethod
     def parse(cls, raw: Any) -> "LocalPoolConfig":
-        from ascend_store.config import ConfigError, _Reader, parse_size
+        from ascend_store.common.config import ConfigError, _Reader, parse_size
 
         r = _Reader("local", raw)
         socket = r.take("socket", None, str) or default_socket_path()
@@ -122,7 +122,7 @@ def check_pool_room(cfg: LocalPoolConfig) -> None:
     cannot reserve ``cfg.capacity``. Nothing to check with ``start: never`` or while a pool
     answers at the socket: that pool has its own capacity."""
     from ascend_store.backends.local.launcher import ping
-    from ascend_store.config import ConfigError
+    from ascend_store.common.config import ConfigError
 
     if cfg.start == "never":
         return

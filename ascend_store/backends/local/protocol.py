@@ -18,7 +18,7 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
-from ascend_store.keys import KEY_RE
+from ascend_store.common.keys import KEY_RE
 
 MAX_MESSAGE_BYTES = 16 * 2**20
 MAX_KEYS_PER_CALL = 65536

@@ -1,0 +1,1 @@
+"""The device layer (CUDA, Ascend NPU, CPU) and the batched device copy path with its kernels."""

@@ -1,0 +1,1 @@
+"""The scheduler's half: prefix lookups, load and save planning, the request lifecycle."""
