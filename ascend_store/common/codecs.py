@@ -104,7 +104,9 @@ class Int8Codec(Codec):
 
     def check(self, layout):
         if not layout.tensor.dtype.is_floating_point or layout.tensor.element_size() < 2:
-            raise ValueError(f"codec int8 needs a 16- or 32-bit float KV cache, got {layout.tensor.dtype}")
+            raise ValueError(f"codec int8 needs a 16- or 32-bit float KV cache, got {layout.tensor.dtype}: "
+                             "a cache already quantized (fp8, int8 or C8 with its scales) is stored "
+                             "byte-exact by codec raw (or zstd, lossless)")
         if layout.kv_dims is None or layout.canonical(layout.page(0)) is None:
             raise ValueError(f"codec int8 does not know the page layout {layout.describe()}")
 

@@ -61,6 +61,8 @@ class ModelIdentity:
     quantization: str = ""
     head_slices: int = 0
     layer_slices: int = 0
+    # Cache formats chosen outside kv_cache_dtype (vllm-ascend's sparse-attention C8).
+    cache_format: str = ""
     format_version: int = FORMAT_VERSION
 
     def namespace(self) -> str:
@@ -101,7 +103,21 @@ def identity_from_vllm(vllm_config, chunk_size: int, codec: str = "raw",
         quantization=str(getattr(mc, "quantization", None) or ""),
         head_slices=shards.slices,
         layer_slices=shards.layer_slices,
+        cache_format=cache_format(vllm_config),
     )
+
+
+# vllm-ascend's --additional-config keys that change a sparse-attention layer's cache bytes:
+# C8 (int8 or fp8 with scales) for the main latent cache and for the indexer's keys.
+ASCEND_CACHE_FORMAT_KEYS = ("enable_sparse_sfa_c8", "enable_sparse_li_c8")
+
+
+def cache_format(vllm_config) -> str:
+    """The cache format settings beyond ``kv_cache_dtype``, so that an engine never reads
+    objects another format wrote (a BF16 indexer never gets C8 bytes)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    on = [k for k in ASCEND_CACHE_FORMAT_KEYS if isinstance(extra, dict) and extra.get(k)]
+    return ",".join(on)
 
 
 @dataclass(frozen=True)

@@ -86,12 +86,29 @@ def _layer_slices(mc, pp: int, layer_slices: int, single_group: bool) -> tuple[i
     return layer_slices, layers
 
 
+def check_context_parallel(dcp: int | None, pcp: int | None) -> None:
+    """Refuse context parallelism. It splits each block's tokens across ranks (MLA's latent
+    cache included, which is otherwise the same on every rank and stored once), and with
+    it vllm-ascend's sparse attention keeps its indexer cache replicated, ``num_blocks *
+    DCP`` rows addressed through a block table of its own: a pool object holds whole blocks."""
+    from ascend_store.common.config import ConfigError
+
+    for key, size in (("decode_context_parallel_size", dcp), ("prefill_context_parallel_size", pcp)):
+        if int(size or 1) > 1:
+            raise ConfigError(
+                f"ascend-store: {key}={size}: context parallelism splits each KV block's tokens across "
+                "ranks, and pool objects hold whole blocks; run with decode_context_parallel_size=1 and "
+                "prefill_context_parallel_size=1, or without the connector (docs/parallel.md)")
+
+
 def sharding(vllm_config, head_slices: int, has_state: bool, layer_slices: int = 0,
              single_group: bool = True) -> Sharding:
     """The sharding an engine uses. ``head_slices`` that cannot apply to this engine fall
     back to per-TP objects, with the reason logged at start (the scheduler and every
     worker decide alike from the same config)."""
     pc, mc = vllm_config.parallel_config, vllm_config.model_config
+    check_context_parallel(getattr(pc, "decode_context_parallel_size", 1),
+                           getattr(pc, "prefill_context_parallel_size", 1))
     tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
     replicated = bool(getattr(mc, "use_mla", False))
     slices = head_slices

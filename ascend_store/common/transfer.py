@@ -84,8 +84,13 @@ class LayerLayout:
            kv_dims: tuple[int, int, int] | None = None) -> LayerLayout:
         dims = [d for d, n in enumerate(tensor.shape) if n == num_blocks]
         if not dims:
-            raise ValueError(f"no dimension of size num_blocks={num_blocks} in a KV cache "
-                             f"of shape {tuple(tensor.shape)}")
+            shape = tuple(tensor.shape)
+            rows = next((n for n in shape if n > num_blocks and n % num_blocks == 0), None)
+            why = (f" (its {rows} rows are num_blocks * {rows // num_blocks}: a cache replicated or split "
+                   "per block, as vllm-ascend's indexer cache under decode context parallelism, whose "
+                   "blocks no page layout here can address)" if rows else "")
+            raise ValueError(f"no dimension of size num_blocks={num_blocks} in a KV cache of shape "
+                             f"{shape}{why}")
         if len(dims) > 1 and num_blocks == 2:
             # [2, 2, ...] is K/V-major or block-major alike; a wrong guess would move K or
             # V planes instead of blocks, so refuse.

@@ -20,6 +20,7 @@ import logging
 import os
 
 from ascend_store.common.config import ConfigError, check_transfer_config
+from ascend_store.common.parallel import check_context_parallel
 
 log = logging.getLogger("ascend_store")
 # The vLLM releases this connector runs with (README.md, "Supported versions"): vllm 0.26.0
@@ -39,7 +40,8 @@ def register() -> None:
 
     @functools.wraps(original)
     def create_engine_config(self, *args, **kwargs):
-        check_engine_args(self.kv_transfer_config)
+        check_engine_args(self.kv_transfer_config, getattr(self, "decode_context_parallel_size", 1),
+                          getattr(self, "prefill_context_parallel_size", 1))
         return original(self, *args, **kwargs)
 
     create_engine_config.ascend_store_checked = True
@@ -52,11 +54,13 @@ def names_this_connector(ktc) -> bool:
     return name == "AscendStoreConnector" and (not module or module.startswith("ascend_store"))
 
 
-def check_engine_args(ktc) -> None:
+def check_engine_args(ktc, dcp: int | None = 1, pcp: int | None = 1) -> None:
     """Validate a kv-transfer config (vLLM's ``KVTransferConfig``, or its JSON as a dict)
-    that names this connector; raise ``ConfigError`` with one message naming the key."""
+    that names this connector, and the engine's context parallel sizes (``dcp``, ``pcp``);
+    raise ``ConfigError`` with one message naming the key."""
     if ktc is None or not names_this_connector(ktc):
         return
+    check_context_parallel(dcp, pcp)
     if isinstance(ktc, dict):
         from vllm.config import KVTransferConfig
 

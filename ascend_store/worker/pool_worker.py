@@ -226,7 +226,10 @@ class PoolWorker:
         return part.split("#", 1)[0]
 
     def _layout(self, part: str, tensor: torch.Tensor, dims: tuple | None) -> LayerLayout:
-        layout = LayerLayout.of(tensor, self.num_blocks, dims)
+        try:  # a layout the pool cannot address stops the engine here, naming the layer
+            layout = LayerLayout.of(tensor, self.num_blocks, dims)
+        except ValueError as exc:
+            raise ValueError(f"ascend-store cannot store KV cache {part}: {exc}") from None
         try:
             self.codec.check(layout)
         except ValueError as exc:

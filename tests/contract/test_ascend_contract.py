@@ -131,8 +131,30 @@ def test_vllm_ascend_hands_attention_caches_as_tuples_per_layer(vllm_ascend):
                 and isinstance(node.value, ast.Tuple)):
             shapes.add(tuple(getattr(e, "id", "?") for e in node.value.elts))
     assert ("k_cache", "v_cache") in shapes
-    assert ("k_cache", "v_cache", "dsa_k_cache") in shapes
     assert all(s[0] == "k_cache" for s in shapes)
+    # The sparse-attention tuples tests/unit/test_sparse_caches.py stores (ASCEND_VARIANTS).
+    k, v, dk, ds = "k_cache", "v_cache", "dsa_k_cache", "dsa_k_scale_cache"
+    assert shapes >= {(k, v, dk), (k, v, dk, ds), (k, dk), (k, dk, ds), (k,)}
+
+
+def test_vllm_ascend_sparse_cache_shapes_and_c8_dtypes_are_the_ones_we_store(vllm_ascend):
+    """What tests/unit/test_sparse_caches.py builds: the indexer's caches have
+    ``num_blocks * sfa_dcp_replicated_indexer_size`` rows, a size other than 1 only under
+    decode context parallelism (which the connector refuses); C8 is int8 with fp16 scales,
+    fp8 e4m3 with fp32 scales on A5; the indexer's scales have a last dim of 1."""
+    src = " ".join(vllm_ascend.source(RUNNER).split())
+    spec = "current_kv_cache_spec."
+    rows = f"num_blocks * {spec}sfa_dcp_replicated_indexer_size, "
+    for fact in (f"dsa_k_cache_shape = ( {rows}{spec}block_size, {spec}num_kv_heads, "
+                 "self.model_config.hf_text_config.index_head_dim, )",
+                 f"dsa_k_scale_cache_shape = ( {rows}{spec}block_size, {spec}num_kv_heads, 1, )",
+                 "self.sfa_dcp_replicated_indexer_size = 1 if enable_sfa_dcp_replicated_indexer(): "
+                 "self.sfa_dcp_replicated_indexer_size = self.dcp_size",
+                 "self.c8_k_cache_dtype = torch.float8_e4m3fn self.c8_k_scale_cache_dtype = torch.float32 "
+                 "else: self.c8_k_cache_dtype = torch.int8 self.c8_k_scale_cache_dtype = torch.float16"):
+        assert fact in src, fact
+    utils = " ".join(vllm_ascend.source("vllm_ascend/utils.py").split())
+    assert "and parallel_config.decode_context_parallel_size > 1" in utils
 
 
 def test_vllm_ascend_memcache_client_inits_one_device_per_rank(vllm_ascend):
