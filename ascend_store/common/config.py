@@ -256,6 +256,9 @@ class StoreConfig:
     # nearest 1.5x, at the price of the hit's TTFT (docs/benchmarks.md, "Findings behind the
     # defaults").
     async_load_share: float = 0.33
+    # Per request, recompute a pool hit that the engine's own measurements say is slower to
+    # load than to compute (scheduler/planner.py); off by default until measured on GPUs.
+    load_planner: bool = False
     # kv_producer: a step that completes a prompt waits for its saves' commit, so the reply
     # (which leaves after the step) never races the objects (docs/pd-disaggregation.md).
     commit_before_reply: bool = True
@@ -279,7 +282,7 @@ class StoreConfig:
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "lookup_timeout_s", "load_timeout_s",
             "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window",
-            "graph_layer_waits", "async_load", "async_load_share", "commit_before_reply",
+            "graph_layer_waits", "async_load", "async_load_share", "load_planner", "commit_before_reply",
             "consumer_wait_s", "save_decode_cache", "head_slices", "layer_slices", "local", "mooncake",
             "memcache", "lookup_cache")
 
@@ -309,6 +312,7 @@ class StoreConfig:
             graph_layer_waits=r.take("graph_layer_waits", False, bool),
             async_load=r.take("async_load", True, bool),
             async_load_share=r.positive("async_load_share", 0.33),
+            load_planner=r.take("load_planner", False, bool),
             commit_before_reply=r.take("commit_before_reply", True, bool),
             consumer_wait_s=r.take("consumer_wait_s", 0.0, float),
             save_decode_cache=r.take("save_decode_cache", False, bool),

@@ -55,14 +55,20 @@ class StepMetadata(KVConnectorMetadata):
     # vLLM may replay one full CUDA/ACL graph for this step (pool_scheduler.py): no per-layer
     # hook runs inside it, so its loads land before the forward and its saves queue after.
     full_graph: bool = False
+    step: int = 0  # the scheduler's count: the worker's timing of the step names it (planner.py)
 
 
 @dataclass
 class WorkerReport(KVConnectorWorkerMetadata):
     """Worker -> scheduler, per step: chunks whose load failed (missing or corrupt), so
-    the scheduler's lookup cache stops calling them hits."""
+    the scheduler's lookup cache stops calling them hits; with ``load_planner``, the
+    seconds each finished step took, by step number (the slowest rank's)."""
 
     failed_chunks: list[str] = field(default_factory=list)
+    steps: dict[int, float] = field(default_factory=dict)
 
     def aggregate(self, other: "WorkerReport") -> "WorkerReport":
-        return WorkerReport(sorted(set(self.failed_chunks) | set(other.failed_chunks)))
+        steps = dict(self.steps)
+        for step, seconds in other.steps.items():
+            steps[step] = max(seconds, steps.get(step, 0.0))
+        return WorkerReport(sorted(set(self.failed_chunks) | set(other.failed_chunks)), steps)

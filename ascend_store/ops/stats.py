@@ -67,6 +67,10 @@ COUNTERS = {
     "steps": "worker steps",
     "selftest_layers": "layer parts the KV layout self-test round-tripped at start",
     "selftest_failed": "KV layout self-tests that failed (that worker's pool is off)",
+    "loads_planned": "pool hits the load planner loaded (load_planner)",
+    "recomputes_planned": "pool hits the load planner recomputed: loading them was estimated slower",
+    "load_tokens_planned": "tokens of the hits the load planner loaded",
+    "recompute_tokens_planned": "tokens of the hits the load planner recomputed",
 }
 # Kept as the latest (largest) value instead of summed.
 GAUGES = {"max_rpcs_per_step": "most pool calls in one worker step",
@@ -74,7 +78,9 @@ GAUGES = {"max_rpcs_per_step": "most pool calls in one worker step",
           "max_load_rpcs_per_step": "most load calls in one worker step",
           "max_save_rpcs_per_step": "most save calls in one worker step",
           "pool_used_bytes": "pool bytes in use", "pool_capacity_bytes": "pool capacity",
-          "pool_evictions": "objects the pool evicted since it started"}
+          "pool_evictions": "objects the pool evicted since it started",
+          "planner_compute_us_per_token": "the load planner's compute time per prefill token (us)",
+          "planner_load_us_per_token": "the load planner's load time per pool token (us)"}
 SECONDS = {"load_seconds": "time in load jobs", "save_seconds": "time in save copies",
            "lookup_seconds": "time in lookups", "selftest_seconds": "time in the KV layout self-test"}
 

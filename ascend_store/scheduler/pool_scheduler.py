@@ -46,6 +46,7 @@ from ascend_store.scheduler.graph_steps import FullGraphSteps
 from ascend_store.scheduler.hit_cache import BlockHitCache
 from ascend_store.scheduler.lookups import STATE_TAG, TAIL_TAG, LookupState, PoolLookups
 from ascend_store.scheduler.pd_wait import ProducerWait
+from ascend_store.scheduler.planner import LoadPlanner, StepCost
 
 log = logging.getLogger("ascend_store")
 
@@ -112,6 +113,11 @@ class PoolScheduler:
                                                self.block_size, kv_cache_config) \
             if self.backend is not None and kv_events.enabled(vllm_config) else None
         # Lookups answered off the engine's thread, one pool call per step (lookups.py).
+        # Load or recompute each hit, from the engine's own timings (planner.py): what each
+        # step computed and loaded, by step number, until its worker timing comes back.
+        self.planner = LoadPlanner(self.counters) if cfg.load_planner and self.can_load else None
+        self._step = 0
+        self._planned_steps: dict[int, tuple[int, int]] = {}
         self.lookups = PoolLookups(self.backend, self.keyspaces, self.attn_groups, self.state_groups,
                                    self.hit_cache, self.counters, cfg.lookup_timeout_s, self.kv_events) \
             if self.backend is not None else None
@@ -170,6 +176,8 @@ class PoolScheduler:
         self.counters["queried_tokens"] += len(prompt)
         if hit_tokens <= num_computed_tokens:
             return 0, False
+        if self.planner is not None and not self.planner.plan(hit_tokens - num_computed_tokens):
+            return 0, False  # faster to compute: vLLM computes it (and its chunks stay saved)
         self.counters["hit_tokens"] += hit_tokens - num_computed_tokens
         return hit_tokens - num_computed_tokens, self.async_load
 
@@ -204,8 +212,9 @@ class PoolScheduler:
 
     # -- per step -------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
+        self._step += 1
         meta = StepMetadata(new_tokens=scheduler_output.total_num_scheduled_tokens,
-                            full_graph=self.full_graph(scheduler_output))
+                            full_graph=self.full_graph(scheduler_output), step=self._step)
         if self.lookups is not None:  # the step's lookups go to the pool now, in one call
             self.counters["max_lookup_rpcs_per_step"] = max(self.counters["max_lookup_rpcs_per_step"],
                                                             self.lookups.flush())
@@ -244,6 +253,11 @@ class PoolScheduler:
                     ids.extend(more)
             self._plan_saves(req_id, state, cached.num_computed_tokens[i]
                              + scheduler_output.num_scheduled_tokens[req_id], meta)
+        if self.planner is not None:
+            loaded = sum(len(ld.block_ids) for ld in meta.loads if ld.group == 0) * self.block_size
+            self._planned_steps[self._step] = (meta.new_tokens, loaded)
+            if len(self._planned_steps) > 4096:  # steps whose timing never came (no worker hook ran)
+                self._planned_steps.pop(next(iter(self._planned_steps)))
         return meta
 
     def _plan_saves(self, req_id: str, state: _Request, computed_after_step: int,
@@ -315,6 +329,11 @@ class PoolScheduler:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(report, WorkerReport):
             return
+        if self.planner is not None:
+            for step, seconds in report.steps.items():
+                planned = self._planned_steps.pop(step, None)
+                if planned is not None:
+                    self.planner.observe(StepCost(*planned, seconds))
         failed = report.failed_chunks
         if self.hit_cache is not None:
             self.hit_cache.invalidate(failed + [tag + h for tag in (STATE_TAG, TAIL_TAG) for h in failed])
@@ -335,6 +354,8 @@ class PoolScheduler:
         if self.hit_cache is not None:
             for k, v in self.hit_cache.counters.items():
                 self.counters[k] = v
+        if self.planner is not None:
+            self.planner.report()
         return AscendStoreStats(self.counters.take())
 
     def shutdown(self) -> None:

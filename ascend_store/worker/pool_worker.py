@@ -35,6 +35,7 @@ from ascend_store.worker.graph_waits import GraphWaits
 from ascend_store.worker.hybrid import DeferredStateCopies, state_layout
 from ascend_store.worker.loads import Loader
 from ascend_store.worker.saves import Saver
+from ascend_store.worker.step_timer import StepTimer
 from ascend_store.worker.worker_context import GroupFormat, WorkerContext
 
 log = logging.getLogger("ascend_store")
@@ -111,6 +112,7 @@ class PoolWorker:
         self.occupancy = PoolOccupancy(self.backend, self.counters)  # pool gauges, off the engine's thread
         self.step_calls = StepCalls(self.counters)
         self.step_hooks: deque[tuple[int, int]] = deque(maxlen=4096)  # (waits, saves) per step
+        self.step_timer = StepTimer() if cfg.load_planner else None  # for the scheduler's planner
         self._waits = self._saves = 0
         self._rpcs_seen = 0
 
@@ -268,6 +270,8 @@ class PoolWorker:
 
     # -- loads ----------------------------------------------------------------
     def handle_preemptions(self, meta: StepMetadata | None = None) -> None:
+        if self.step_timer is not None:
+            self.step_timer.begin(meta)
         self.saver.drain()
         # vLLM queues the hybrid state copy after this call and before start_load_kv.
         self._step_loads = bool(meta is not None and getattr(meta, "loads", None))
@@ -282,11 +286,15 @@ class PoolWorker:
         (8 ms at 32K tokens; the V2 runner calls every worker hook after that). The last
         step's saves drain first, as at any step's start."""
         if (meta.loads or meta.async_loads) and self.starts_early():
+            if self.step_timer is not None:
+                self.step_timer.begin(meta)
             self.saver.drain()
             self._begin(meta)
             self.counters["loads_started_at_schedule"] += 1
 
     def start_load_kv(self, meta: StepMetadata) -> None:
+        if self.step_timer is not None:
+            self.step_timer.begin(meta)
         self.saver.drain()
         job = self._begin(meta)
         if job is not None and not self.by_layer(meta):
@@ -348,7 +356,8 @@ class PoolWorker:
 
     def build_connector_worker_meta(self) -> WorkerReport | None:
         failed = self.loader.take_failed_chunks() + self.async_loads.take_failed_chunks()
-        return WorkerReport(failed) if failed else None
+        steps = self.step_timer.take() if self.step_timer is not None else {}
+        return WorkerReport(failed, steps) if failed or steps else None
 
     # -- saves ----------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, meta: StepMetadata | None) -> None:
@@ -370,6 +379,8 @@ class PoolWorker:
             self.load_step_layers.append(len(self._waited))
         self._waits = self._saves = 0
         self._waited = set()
+        if self.step_timer is not None:
+            self.step_timer.end(meta)
         self._begun = None
         rpcs = self.backend.rpcs
         self.counters["max_rpcs_per_step"] = max(self.counters["max_rpcs_per_step"], rpcs - self._rpcs_seen)

@@ -1,0 +1,53 @@
+"""The load planner's decisions from measured step costs (scheduler/planner.py)."""
+
+from __future__ import annotations
+
+from ascend_store.ops.stats import IntervalCounters
+from ascend_store.scheduler.planner import MIN_TOKENS, LoadPlanner, StepCost
+
+
+def _planner(**kw) -> LoadPlanner:
+    return LoadPlanner(IntervalCounters(), **kw)
+
+
+def test_loads_until_both_costs_are_measured():
+    p = _planner()
+    assert p.plan(1000) == 1000  # nothing measured
+    p.observe(StepCost(computed_tokens=500, loaded_tokens=0, seconds=0.5))  # 1 ms a token
+    assert p.plan(1000) == 1000  # no load measured yet
+    assert p.counters.total["loads_planned"] == 2
+
+
+def test_a_slow_load_is_recomputed_and_re_measured_every_explore_every():
+    p = _planner(explore_every=3)
+    p.observe(StepCost(500, 0, 0.5))  # compute: 1 ms a token
+    p.observe(StepCost(10, 1000, 5.01))  # 10 computed (10 ms), load: 5 ms a token
+    assert p.load_s_per_token == 0.005
+    assert [p.plan(100) for _ in range(5)] == [0, 0, 0, 100, 0]  # the fourth re-measures
+    assert p.counters.total["recomputes_planned"] == 4
+    assert p.counters.total["recompute_tokens_planned"] == 400
+    assert p.counters.total["loads_planned"] == 1
+
+
+def test_a_fast_load_is_loaded_and_a_load_that_got_fast_is_found_again():
+    p = _planner(explore_every=1, alpha=1.0)
+    p.observe(StepCost(500, 0, 0.5))
+    p.observe(StepCost(0, 1000, 0.2))  # 0.2 ms a token: faster than computing
+    assert p.plan(100) == 100
+    p.observe(StepCost(0, 1000, 3.0))  # the tier got slow
+    assert p.plan(100) == 0
+    assert p.plan(100) == 100  # explore: loads once more
+    p.observe(StepCost(0, 1000, 0.1))  # fast again
+    assert p.plan(100) == 100 and p.plan(100) == 100
+
+
+def test_a_steps_own_cost_is_not_charged_to_its_tokens_and_the_margin_holds():
+    p = _planner(margin=0.1, alpha=1.0)
+    p.observe(StepCost(MIN_TOKENS - 1, 0, 0.5))  # a decode step: the step's own cost
+    assert p.compute_s_per_token is None and p.step_s == 0.5
+    p.observe(StepCost(1000, 0, 1.5))  # 1 ms a token beyond it
+    p.observe(StepCost(0, 1000, 1.55))  # 1.05 ms a token beyond it: dearer, within the margin
+    assert p.plan(100) == 100
+    p.report()
+    assert round(p.counters.total["planner_compute_us_per_token"]) == 1000
+    assert round(p.counters.total["planner_load_us_per_token"]) == 1050
