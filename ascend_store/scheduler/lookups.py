@@ -9,7 +9,9 @@ path of every request, hits or not. So:
 - at the end of the step's scheduling (``flush``, from ``build_connector_meta``) the batch
   of every request asked in the step goes to a background thread as one ``exists`` call,
   keys shared by several requests asked once: at most one lookup call per step;
-- a request not answered within ``lookup_timeout_s`` of its first ask is a miss;
+- a request not answered within ``lookup_timeout_s`` of its first ask is a miss (until the
+  pool first answers, within ``first_deadline_s``: an engine's first requests come right
+  after it starts, while a store client may still be connecting);
 - while the pool is known to be down (its circuit breaker is open, or the thread has been
   stuck in a call longer than that deadline) requests miss at once, without asking, and
   cached hits are not trusted either: their loads would wait on the same pool.
@@ -68,7 +70,8 @@ class LookupState:
 
 class PoolLookups:
     def __init__(self, backend, keyspaces: list[KeySpace], attn_groups: list[int], state_groups: list[int],
-                 hit_cache: BlockHitCache | None, counters, deadline_s: float, events=None):
+                 hit_cache: BlockHitCache | None, counters, deadline_s: float, events=None,
+                 first_deadline_s: float | None = None):
         self.backend = backend
         self.keyspaces = keyspaces
         self.attn = tuple(attn_groups)
@@ -76,6 +79,8 @@ class PoolLookups:
         self.cache = hit_cache
         self.counters = counters
         self.deadline_s = deadline_s
+        self.first_deadline_s = max(deadline_s, first_deadline_s or deadline_s)
+        self._answered = False  # the pool has answered a lookup since the engine started
         self.events = events  # kv_events.KVEventFeed: fetched on the same thread, once per step
         self._batch: list[Ask] = []  # asked this step
         self._sent: list[Ask] = []  # answered or in flight, not yet folded into the cache
@@ -99,7 +104,7 @@ class PoolLookups:
             ask, st.ask, st.answers = None, None, {}
         if ask is not None:
             if ask.answer is None and not ask.failed:
-                if now - ask.asked_at < self.deadline_s:
+                if now - ask.asked_at < self._deadline():
                     return None
                 self.counters["lookup_timeouts"] += 1
             st.ask = None
@@ -162,7 +167,10 @@ class PoolLookups:
         """Whether asking may help: the breaker is closed and the thread is not stuck."""
         busy = self._busy_since
         now = time.monotonic() if now is None else now
-        return self.backend.available() and (busy is None or now - busy < self.deadline_s)
+        return self.backend.available() and (busy is None or now - busy < self._deadline())
+
+    def _deadline(self) -> float:
+        return self.deadline_s if self._answered else self.first_deadline_s
 
     def flush(self) -> int:
         """End of the step's scheduling: hand the step's questions (and, with KV events on,
@@ -253,6 +261,7 @@ class PoolLookups:
             self.counters["lookup_seconds"] += time.perf_counter() - t0
         it = iter(per_entry)
         replies = [{entry: all(found[i] for i in next(it)) for entry, _, _ in ask.entries} for ask in batch]
+        self._answered = True
         with self._replies:
             for ask, reply in zip(batch, replies):
                 ask.reply = reply

@@ -119,7 +119,8 @@ class PoolScheduler:
         self._step = 0
         self._planned_steps: dict[int, tuple[int, int]] = {}
         self.lookups = PoolLookups(self.backend, self.keyspaces, self.attn_groups, self.state_groups,
-                                   self.hit_cache, self.counters, cfg.lookup_timeout_s, self.kv_events) \
+                                   self.hit_cache, self.counters, cfg.lookup_timeout_s, self.kv_events,
+                                   first_deadline_s=cfg.timeout_s) \
             if self.backend is not None else None
 
     # -- lookup ---------------------------------------------------------------

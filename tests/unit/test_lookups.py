@@ -97,6 +97,24 @@ def test_requests_asked_together_are_answered_in_the_same_step(pool, monkeypatch
     guard.close()
 
 
+def test_until_the_pool_first_answers_requests_wait_for_its_set_up(pool, monkeypatch):
+    """A store client still connecting when the engine's first requests come: they wait up
+    to ``first_deadline_s`` (and hit); once the pool has answered, ``deadline_s`` holds."""
+    client = pool.client()
+    real = client.exists
+    monkeypatch.setattr(client, "exists", lambda keys: (time.sleep(0.5), real(keys))[1])
+    guard = GuardedBackend(client, "test pool")
+    lk = PoolLookups(guard, [KS], [0], [], None, IntervalCounters(), 0.2, first_deadline_s=5.0)
+    chains = [[f"{r:030x}{j:02x}" for j in range(2)] for r in range(2)]
+    _store(client, [KS.key(0, h) for chain in chains for h in chain])
+    first, _ = _until_answered(lk, [LookupState()], chains[:1])
+    assert first[0].chunks == 2 and lk.counters.total["lookup_timeouts"] == 0
+    later, _ = _until_answered(lk, [LookupState()], chains[1:])
+    assert later[0].chunks == 0 and lk.counters.total["lookup_timeouts"] == 1
+    lk.close()
+    guard.close()
+
+
 def test_a_partial_hit_asks_its_tails_in_a_second_round(pool):
     client = pool.client()
     guard = GuardedBackend(client, "test pool")
