@@ -165,7 +165,7 @@ class Saver:
         objects are published). On an accelerator the copies need only be queued: the
         compute stream waits for them on the device, the host does not. A job whose
         reserve has not returned while the save thread has been waiting for the pool longer
-        than ``lookup_timeout_s`` (in that reserve or an earlier job's commit) is dropped:
+        than ``lookup_timeout_s`` (in that reserve or an earlier step's) is dropped:
         its copies have not started (they follow the reserve on the save thread) and will
         not, and its commit gives the reservations back. A save thread busy copying is
         waited for, as below."""

@@ -1,0 +1,148 @@
+"""TTFT with the load planner on and off against recomputing, over hit sizes and two pool
+speeds, on CPU: the demo's tiny random Llama (8 layers, hidden 512, fp32), one standalone
+local pool.
+
+    python benchmarks/planner.py [--sizes 512 1024 2048] [--reps 5] [--slow-lease 0.5] [--json F]
+
+Pool speeds: ``fast``, the pool as it is; ``slow``, every load's lease takes
+``--slow-lease`` seconds more (a throttled tier: tests/e2e/faulty_backend.py's latency
+fault). Modes: ``recompute`` (no connector), ``planner off``, ``planner on``. Each (speed,
+mode) is one engine process: it computes one prompt of each size first (the pool fills;
+the planner learns what a token costs to compute), then sends the same prompts ``--reps``
+times, each request alone, one token each. Prints the median TTFT per size and the
+planner's against the better of the other two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, REPO)
+for k, v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0",
+             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}.items():
+    os.environ.setdefault(k, v)
+MODES = {"recompute": None, "planner off": False, "planner on": True}
+
+
+def engine(spec: dict) -> dict:
+    """In a fresh process: fill, then time each hit; TTFT (ms) and tokens from the pool."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kv = None
+    if spec["planner"] is not None:
+        extra = {"backend": "tests.e2e.faulty_backend:FaultyBackend", "load_planner": spec["planner"],
+                 "local": {"socket": spec["socket"], "start": "never"}}
+        kv = KVTransferConfig(kv_connector="AscendStoreConnector", kv_role="kv_both",
+                              kv_connector_module_path="ascend_store.connector",
+                              kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    llm = LLM(model=spec["model"], dtype="float32", block_size=128, enable_prefix_caching=False,
+              max_model_len=4096, distributed_executor_backend="uni", enforce_eager=True,
+              kv_transfer_config=kv, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    llm.generate(prompts, params, use_tqdm=False)  # fills the pool, and the planner's compute cost
+    time.sleep(1.0)  # the last saves drain
+    rows = []
+    for _ in range(spec["reps"]):
+        for p in prompts:
+            t = time.perf_counter()
+            out = llm.generate([p], params, use_tqdm=False)[0]
+            rows.append({"size": len(p["prompt_token_ids"]), "ttft_ms": (time.perf_counter() - t) * 1e3,
+                         "loaded": out.num_cached_tokens or 0})
+    return {"rows": rows}
+
+
+def run(args, model: str, workdir: str) -> dict:
+    from ascend_store.backends.local.launcher import ping
+
+    socket = os.path.join(workdir, "pool.sock")
+    rng = random.Random(3)
+    out = {}
+    for speed in ("fast", "slow"):
+        fault = os.path.join(workdir, f"fault-{speed}.json")
+        if speed == "slow":
+            with open(fault, "w") as f:
+                json.dump({"role": "worker", "op": "lease", "kind": "latency", "seconds": args.slow_lease}, f)
+        for mode, planner in MODES.items():
+            # A pool of its own per run, and fresh prompts: no run finds another's objects.
+            serve = ["pool", "serve", "--socket", socket, "--capacity", "2GiB"]
+            pool = subprocess.Popen([sys.executable, "-m", "ascend_store.ops.cli", *serve],
+                                    stderr=subprocess.DEVNULL)
+            try:
+                deadline = time.monotonic() + 30
+                while not ping(socket):
+                    if pool.poll() is not None or time.monotonic() > deadline:
+                        sys.exit("the pool did not start")
+                    time.sleep(0.1)
+                prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in args.sizes]
+                spec = {"model": model, "socket": socket, "planner": planner, "reps": args.reps,
+                        "prompts": prompts}
+                print(f"{speed} pool, {mode} ...", flush=True)
+                env = {**os.environ, "ASCEND_STORE_TEST_FAULT": fault, "PYTHONPATH": REPO}
+                proc = subprocess.run([sys.executable, __file__, "--engine", json.dumps(spec)],
+                                      capture_output=True, text=True, env=env)
+                line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+                if proc.returncode or not line:
+                    sys.exit(f"{speed}/{mode} failed:\n{proc.stderr[-4000:]}")
+                out[f"{speed}/{mode}"] = json.loads(line[0][len("RESULT "):])["rows"]
+            finally:
+                pool.terminate()
+                pool.wait(30)
+    return out
+
+
+def report(results: dict, sizes: list[int]) -> None:
+    print("median TTFT ms (tokens from the pool)".ljust(34) + "".join(f"{n:>16}" for n in sizes))
+    worst = 0.0
+    for speed in ("fast", "slow"):
+        med = {}
+        for mode in MODES:
+            rows = results[f"{speed}/{mode}"]
+            cells = []
+            for n in sizes:
+                mine = [r for r in rows if r["size"] == n]
+                med[mode, n] = statistics.median(r["ttft_ms"] for r in mine)
+                cells.append(f"{med[mode, n]:9.1f} ({statistics.median(r['loaded'] for r in mine):4.0f})")
+            print(f"  {speed} pool, {mode}".ljust(34) + "".join(f"{c:>16}" for c in cells))
+        ratios = [med["planner on", n] / min(med["planner off", n], med["recompute", n]) for n in sizes]
+        worst = max(worst, *ratios)
+        print(f"  {speed} pool, on / best of the others".ljust(34) + "".join(f"{r:16.2f}" for r in ratios))
+    print(f"planner on, at worst {worst:.2f}x the better of loading and recomputing")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--slow-lease", type=float, default=0.5)
+    ap.add_argument("--json")
+    ap.add_argument("--engine", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.engine:
+        print("RESULT " + json.dumps(engine(json.loads(args.engine))), flush=True)
+        return
+    from tests.e2e.models import build_llama
+
+    model = build_llama("llama-demo", layers=8, hidden=512, heads=8, kv_heads=4)
+    with tempfile.TemporaryDirectory(prefix="ascend-store-planner-") as workdir:
+        results = run(args, model, workdir)
+    report(results, args.sizes)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"sizes": args.sizes, "reps": args.reps, "slow_lease_s": args.slow_lease,
+                       "runs": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
