@@ -176,7 +176,8 @@ class PoolLookups:
         """End of the step's scheduling: hand the step's questions (and, with KV events on,
         an events fetch) to the thread, fold answered ones into the cache. Returns the pool
         calls this starts (at most one lookup); questions wait a step while the thread is busy."""
-        self._now = None  # the next step takes its own clock and replies
+        self._now = None  # the next step takes its own clock
+        self._publish()  # between steps: what came in during this one, so the cache gets it now
         self._fold()
         want_events = self.events is not None
         if not (self._batch or want_events) or self._closed:
