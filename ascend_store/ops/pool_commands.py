@@ -8,16 +8,9 @@ import socket
 import stat
 import sys
 
+from ascend_store.backends.local.pool_config import meminfo
 from ascend_store.common.config import ConfigError, LocalPoolConfig, parse_size
 from ascend_store.ops.user_error import EXIT_USAGE, GIB, UserError
-
-
-def _mem_total() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal:"))
-    except (OSError, StopIteration, ValueError):
-        return None
 
 
 def check_capacity(text: str, force: bool, memory: int | None) -> int:
@@ -55,7 +48,7 @@ def serve(args) -> int:
     from ascend_store.backends.local.launcher import ping
     from ascend_store.backends.local.server import serve
 
-    capacity = check_capacity(args.capacity, args.force, _mem_total())
+    capacity = check_capacity(args.capacity, args.force, meminfo("MemTotal"))
     try:
         disk_capacity = parse_size(args.disk_capacity, "--disk-capacity")
     except ConfigError as exc:

@@ -20,20 +20,12 @@ import time
 
 from ascend_store.backends.local.arena import gc_arenas
 from ascend_store.backends.local.client import LocalBackend
+from ascend_store.backends.local.clients import alive
 from ascend_store.backends.local.launcher import ping
 from ascend_store.common.config import LocalPoolConfig
 from ascend_store.common.keys import chunk_hashes
 from ascend_store.common.transfer import HEADER, HEADER_BYTES
 from tests.e2e.conftest import BLOCK, CHUNK_OF_SET, PROMPT_SETS
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a killed pool the test's fixture has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def main(op: str, socket: str, prompt: str = "basic:0", groups: str = "") -> None:
@@ -42,7 +34,7 @@ def main(op: str, socket: str, prompt: str = "basic:0", groups: str = "") -> Non
         old = client.stats()
         os.kill(old["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while _running(old["pid"]) and time.monotonic() < deadline:
+        while alive(old["pid"]) and time.monotonic() < deadline:
             time.sleep(0.01)
         gc_arenas()  # what an operator runs after a SIGKILL: the dead pool's arena goes
         if op == "restart":  # a new pool on the same socket, living as long as the engine

@@ -23,6 +23,7 @@ from ascend_store.backends.base import BackendUnavailable, Status
 from ascend_store.backends.guard import GuardedBackend
 from ascend_store.backends.local import protocol
 from ascend_store.backends.local.client import LocalBackend
+from ascend_store.backends.local.clients import alive
 from ascend_store.backends.local.launcher import ensure_pool, ping
 from ascend_store.common.config import LocalPoolConfig
 
@@ -39,13 +40,7 @@ def _wait(cond, timeout_s, what):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphaned pool may wait unreaped for a while)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+_running = alive  # not a zombie either: an orphaned pool may wait unreaped for a while
 
 
 def _reap_orphan(pid: int) -> None:

@@ -32,6 +32,15 @@ def _save_step(worker, chunk: int, commit_now: bool) -> StepMetadata:
     return meta
 
 
+def _batched_worker(pool, **extra) -> PoolWorker:
+    vllm_config, kv_cache_config, caches = engine_parts(2, 2, 64, BLOCK, 2 * CHUNK_BLOCKS + 1)
+    cfg = StoreConfig.parse({"copy_path": "batched", "local": {"socket": pool.socket, "start": "never"},
+                             **extra})
+    worker = PoolWorker(vllm_config, kv_cache_config, cfg, "kv_both")
+    worker.register_kv_caches(caches)
+    return worker
+
+
 def test_the_next_step_waits_for_the_copies_not_for_the_commit(pool, monkeypatch):
     vllm_config, kv_cache_config, caches = engine_parts(2, 2, 64, BLOCK, 2 * CHUNK_BLOCKS + 1)
     cfg = StoreConfig.parse({"copy_path": "batched", "local": {"socket": pool.socket, "start": "never"}})
@@ -99,11 +108,7 @@ def test_a_reserve_the_pool_does_not_answer_is_dropped_not_waited_for(pool, monk
 def test_a_reserve_queued_behind_other_work_is_waited_for_not_dropped(pool, monkeypatch):
     """The save thread busy with the last step's commit work (not waiting for the pool): the
     next step waits for this step's reserve as long as that takes, and both steps save."""
-    vllm_config, kv_cache_config, caches = engine_parts(2, 2, 64, BLOCK, 2 * CHUNK_BLOCKS + 1)
-    cfg = StoreConfig.parse({"copy_path": "batched", "lookup_timeout_s": 0.1,
-                             "local": {"socket": pool.socket, "start": "never"}})
-    worker = PoolWorker(vllm_config, kv_cache_config, cfg, "kv_both")
-    worker.register_kv_caches(caches)
+    worker = _batched_worker(pool, lookup_timeout_s=0.1)
     real = worker.saver._run_commit
 
     def slow(job):
@@ -124,11 +129,7 @@ def test_a_slow_commit_does_not_hold_the_next_steps_reserve(pool, monkeypatch):
     """The pool takes 0.5 s to commit (slow, not hung: longer than lookup_timeout_s). The
     next step's reserve does not queue behind that commit, so it is answered at once and
     both steps save (a P/D consumer waits for objects that come)."""
-    vllm_config, kv_cache_config, caches = engine_parts(2, 2, 64, BLOCK, 2 * CHUNK_BLOCKS + 1)
-    cfg = StoreConfig.parse({"copy_path": "batched", "lookup_timeout_s": 0.1,
-                             "local": {"socket": pool.socket, "start": "never"}})
-    worker = PoolWorker(vllm_config, kv_cache_config, cfg, "kv_both")
-    worker.register_kv_caches(caches)
+    worker = _batched_worker(pool, lookup_timeout_s=0.1)
     real = worker.backend.commit
 
     def slow(keys):

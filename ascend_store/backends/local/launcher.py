@@ -14,7 +14,7 @@ import zmq
 
 from ascend_store.backends.local import protocol, trust
 from ascend_store.backends.local.arena import gc_arenas
-from ascend_store.backends.local.clients import start_lock
+from ascend_store.backends.local.clients import alive, start_lock
 
 __all__ = ["ensure_pool", "gc_arenas", "ping"]
 log = logging.getLogger("ascend_store.pool")
@@ -95,14 +95,6 @@ def ensure_pool(cfg, attach=None) -> int | None:
         os.close(lock)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _start(cfg) -> int | None:
     """Start a pool and return its pid once it answers. It is started through ``sh``, which
     exits at once, so the pool is no descendant of this process: vLLM's shutdown kills
@@ -130,10 +122,10 @@ def _start(cfg) -> int | None:
         if ping(cfg.socket):
             log.info("started an embedded pool (pid %d) at %s", pid, cfg.socket)
             return pid
-        if not _alive(pid):
+        if not alive(pid):
             break
         time.sleep(0.05)
-    running = pid and _alive(pid)
+    running = pid and alive(pid)
     if running:
         os.kill(pid, signal.SIGKILL)
     status = f"no answer within {START_TIMEOUT_S:.0f} s" if running else "it exited"

@@ -30,10 +30,11 @@ def default_socket_path() -> str:
     return os.path.join(base, f"ascend-store-{os.getuid()}", "pool.sock")
 
 
-def _mem_available() -> int | None:
+def meminfo(field: str) -> int | None:
+    """A ``/proc/meminfo`` figure in bytes (``MemTotal``, ``MemAvailable``), None if unknown."""
     try:
         with open("/proc/meminfo") as f:
-            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith(field + ":"))
     except (OSError, StopIteration, ValueError):
         return None
 
@@ -56,7 +57,7 @@ def pool_room(socket: str) -> tuple[int, dict[str, int]]:
     tmpfs (or the page cache) holds it in memory, so each place counts for at most the
     memory available (MemAvailable)."""
     readings = {d: free for d in (SHM, os.path.dirname(socket)) if (free := _free(d)) is not None}
-    available = _mem_available()
+    available = meminfo("MemAvailable")
     rooms = [min(free, available) if available is not None else free for free in readings.values()]
     if available is not None:
         readings["memory available"] = available

@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 
 from ascend_store.backends.local import arena, protocol, trust
-from ascend_store.backends.local.clients import SWEEP_S, Clients, start_lock
+from ascend_store.backends.local.clients import SWEEP_S, Clients, alive, start_lock
 from ascend_store.backends.local.disk import DiskError, DiskTier
 from ascend_store.backends.local.index import PoolIndex
 from ascend_store.backends.local.tiers import TieredIndex
@@ -110,7 +110,7 @@ class PoolServer:
                 if now - last_reap >= REAP_INTERVAL_S:
                     last_reap = now
                     self.index.reap()
-                    if self.parent_pid and not _alive(self.parent_pid):
+                    if self.parent_pid and not alive(self.parent_pid):
                         log.info("parent %d exited; stopping the pool", self.parent_pid)
                         break
                 if now - last_sweep >= SWEEP_S:
@@ -226,15 +226,6 @@ class PoolServer:
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def serve(socket_path: str, capacity: int, lease_ttl_s: float = 30.0,
