@@ -61,7 +61,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 # name: (layers, hidden, heads, kv heads, head dim, ffn)
 GEOMETRIES = {"1b": (16, 2048, 32, 8, 64, 8192), "7b": (28, 3584, 28, 4, 128, 18944),
-              "tiny": (2, 256, 4, 2, 64, 512)}  # tiny: a smoke run of this script on CPU
+              "tiny": (2, 256, 4, 2, 64, 512),  # tiny: a smoke run of this script on CPU
+              # Qwen3-Next hybrids: one full-attention layer in 4, the others Gated-DeltaNet
+              # (recurrent state); hybrid-7b has the 7B's attention and width.
+              "hybrid-tiny": (4, 256, 4, 2, 64, 512), "hybrid-7b": (28, 3584, 28, 4, 128, 18944)}
+FULL_ATTENTION_EVERY = 4  # a hybrid geometry's KV layers: every 4th (Qwen3-Next's interval)
 ROUND = re.compile(r"(.+?)[@-]r\d+")  # a round's key: what it pools into, then @r1 or -r1
 ASCEND = {"kv_connector": "AscendStoreConnector", "kv_connector_module_path": "ascend_store.connector",
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
@@ -100,11 +104,33 @@ CONFIGS = {
 }
 
 
+def kv_layers(geometry: str) -> int:
+    """The layers that hold KV cache (a hybrid's GDN layers hold state instead)."""
+    layers = GEOMETRIES[geometry][0]
+    return layers // FULL_ATTENTION_EVERY if geometry.startswith("hybrid") else layers
+
+
 def model_dir(geometry: str) -> str:
     """A config-only model directory (weights come from vLLM's dummy loader)."""
     layers, hidden, heads, kv, hd, ffn = GEOMETRIES[geometry]
     path = os.path.join(tempfile.gettempdir(), f"ascend-e2e-{geometry}")
     os.makedirs(path, exist_ok=True)
+    if geometry.startswith("hybrid"):
+        from transformers import Qwen3NextConfig
+
+        # Small MoE blocks (vLLM's Qwen3-Next needs them): the MLP is not what is measured.
+        cfg = Qwen3NextConfig(
+            vocab_size=32000, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+            full_attention_interval=FULL_ATTENTION_EVERY, linear_conv_kernel_dim=4,
+            linear_key_head_dim=hd, linear_value_head_dim=hd, linear_num_key_heads=heads // 2,
+            linear_num_value_heads=heads, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=ffn // 8, shared_expert_intermediate_size=ffn // 8,
+            max_position_embeddings=40960, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False)
+        cfg.architectures = ["Qwen3NextForCausalLM"]
+        cfg.to_json_file(os.path.join(path, "config.json"))
+        return path
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
            "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
            "num_key_value_heads": kv, "head_dim": hd, "vocab_size": 32000, "max_position_embeddings": 40960,
@@ -147,6 +173,8 @@ def child(spec: dict) -> None:
     kv_connector = conf.get("kv", {}).get("kv_connector")
     start_server(conf.get("server"), os.path.join(spec["tmp"], f"{spec['name']}-server.log"))
     llm = LLM(**kwargs)
+    if spec.get("spread_weights"):
+        llm.collective_rpc(spread_weights)
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     out = {"cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
     for n in spec["tokens"]:
@@ -183,6 +211,11 @@ def child(spec: dict) -> None:
             out[n]["trace"] = hook_trace.timelines(spec["trace"], windows)
             if os.environ.get(hook_trace.SAMPLE):
                 out[n]["samples"] = hook_trace.samples(spec["trace"], windows)
+        if spec.get("greedy"):  # one more hit (after a reset and scrub), decoding on
+            reset(llm, spec, conf)
+            many = SamplingParams(temperature=0.0, max_tokens=spec["greedy"], ignore_eos=True,
+                                  detokenize=False)
+            out[n]["greedy"] = list(llm.generate([prompt], many, use_tqdm=False)[0].outputs[0].token_ids)
         if prof:
             write_profile(prof, os.path.join(spec["profile"], f"{spec['name']}-{n // 1024}K.txt"),
                           spec["reps"])
@@ -251,6 +284,21 @@ def scrub_kv_caches(worker) -> int:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return n
+
+
+def spread_weights(worker) -> None:
+    """Run in each worker: redraw every weight matrix from N(0, 1/fan-in), seeded by its
+    name (the same in every engine). vLLM's dummy weights (uniform within 1e-3) make greedy
+    tokens nearly independent of the prompt, so a hit that read wrong KV could still agree."""
+    import zlib
+
+    import torch
+
+    for name, p in worker.model_runner.model.named_parameters():
+        if p.dim() >= 2 and p.is_floating_point() and p.element_size() > 1:
+            g = torch.Generator(device=p.device).manual_seed(zlib.crc32(name.encode()))
+            with torch.no_grad():
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
 
 
 def worker_counters(worker) -> dict:
@@ -413,10 +461,12 @@ def link_gbs() -> float:
 
 
 def same_token(r: dict, base: dict, tokens: list[int]) -> bool | str:
-    """Whether every repetition's first token is recompute's ("-": no recompute to compare)."""
+    """Whether every repetition's first token is recompute's, and with ``--greedy`` the
+    decoded tokens too ("-": no recompute to compare)."""
     if not all(str(n) in base for n in tokens):
         return "-"
-    return all(t == base[str(n)]["token"][0] for n in tokens for t in r[str(n)]["token"])
+    return all(t == base[str(n)]["token"][0] for n in tokens for t in r[str(n)]["token"]) and all(
+        r[str(n)].get("greedy") == base[str(n)].get("greedy") for n in tokens)
 
 
 def report(results: dict, tokens: list[int]) -> None:
@@ -424,7 +474,8 @@ def report(results: dict, tokens: list[int]) -> None:
     the first token matches recompute's."""
     gbs = results["link_gbs"]
     for geometry in sorted({k.split("/")[0] for k in results["runs"]}):
-        layers, _, _, kv, hd, _ = GEOMETRIES[geometry]
+        _, _, _, kv, hd, _ = GEOMETRIES[geometry]
+        layers = kv_layers(geometry)
         runs = {k.split("/")[1]: r for k, r in results["runs"].items() if k.startswith(geometry + "/")}
         base = runs.get("recompute", {})
         print(f"{geometry}: TTFT ms " + " ".join(f"{n // 1024:>7}K" for n in tokens) + "   same token")
@@ -455,7 +506,8 @@ def plot(results: dict, tokens: list[int], path: str) -> None:
     geometries = sorted({k.split("/")[0] for k in results["runs"]})
     fig, axes = plt.subplots(1, len(geometries), figsize=(6 * len(geometries), 4), squeeze=False)
     for ax, geometry in zip(axes[0], geometries):
-        layers, _, _, kv, hd, _ = GEOMETRIES[geometry]
+        _, _, _, kv, hd, _ = GEOMETRIES[geometry]
+        layers = kv_layers(geometry)
         for i, name in enumerate(CONFIGS):  # one colour per configuration in every panel
             r = results["runs"].get(f"{geometry}/{name}")
             if r is not None and "error" not in r:
@@ -507,6 +559,10 @@ def main() -> None:
     ap.add_argument("--scrub", action="store_true",
                     help="overwrite the KV cache (a constant) after each prefix cache reset")
     ap.add_argument("--package", help="import ascend_store from this checkout (an A/B of the connector)")
+    ap.add_argument("--greedy", type=int, default=0, metavar="N",
+                    help="after the timed hits, one more decoding N greedy tokens, compared with recompute's")
+    ap.add_argument("--spread-weights", action="store_true",
+                    help="redraw the dummy weights so that greedy tokens depend on the prompt")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 when a configuration failed or a hit's first token is not recompute's")
     ap.add_argument("--child")
@@ -542,7 +598,8 @@ def main() -> None:
                 "name": f"{geometry}-{name}",
                 "profile": args.profile and os.path.abspath(args.profile),
                 "trace": args.trace and os.path.join(tmp, "trace"), "graphs": args.graphs,
-                "scrub": args.scrub, "cudagraph_mode": args.cudagraph_mode,
+                "scrub": args.scrub, "cudagraph_mode": args.cudagraph_mode, "greedy": args.greedy,
+                "spread_weights": args.spread_weights,
                 "engine_args": args.engine_args}
         path = [os.path.abspath(args.package or REPO), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, **CONFIGS[name].get("env", {}), **dict(e.split("=", 1) for e in args.env)}
@@ -555,7 +612,7 @@ def main() -> None:
         env["PYTHONPATH"] = os.pathsep.join(path)
         if args.inprocess or args.profile:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if args.scrub:  # collective_rpc sends the scrub function to the engine core pickled
+        if args.scrub or args.spread_weights:  # collective_rpc sends these functions pickled
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         t0 = time.perf_counter()
         try:
@@ -574,7 +631,9 @@ def main() -> None:
         else:
             cells = " ".join(f"{n // 1024}K {got[str(n)]['ttft_ms']:7.1f} ms "
                              f"(hit {got[str(n)]['cached'][0]})" for n in args.tokens)
-            print(f"{geometry:>3} {name:<22} {cells} [{got['cudagraph_mode']}]", flush=True)
+            copies = got.get("worker_counters", {}).get("deferred_state_copies")
+            print(f"{geometry:>3} {name:<22} {cells} [{got['cudagraph_mode']}]"
+                  + (f" deferred state copies {copies}" if copies is not None else ""), flush=True)
             for n in args.tokens:
                 if "trace" in got[str(n)]:
                     import hook_trace

@@ -2,15 +2,17 @@
 speeds, on CPU: the demo's tiny random Llama (8 layers, hidden 512, fp32), one standalone
 local pool.
 
-    python benchmarks/planner.py [--sizes 512 1024 2048] [--reps 5] [--slow-lease 0.5] [--json F]
+    python benchmarks/planner.py [--sizes 512 1024 2048] [--reps 5] [--rounds 2] [--slow-lease 0.5] [--json F]
 
 Pool speeds: ``fast``, the pool as it is; ``slow``, every load's lease takes
 ``--slow-lease`` seconds more (a throttled tier: tests/e2e/faulty_backend.py's latency
 fault). Modes: ``recompute`` (no connector), ``planner off``, ``planner on``. Each (speed,
 mode) is one engine process: it computes one prompt of each size first (the pool fills;
 the planner learns what a token costs to compute), then sends the same prompts ``--reps``
-times, each request alone, one token each. Prints the median TTFT per size and the
-planner's against the better of the other two.
+times, each request alone, one token each. Engine processes of one configuration differ by
+up to 10% on a busy 2-core machine, so ``--rounds`` runs every (speed, mode) that many times,
+round robin (every other round in reverse order), and pools their repetitions. Prints the median TTFT per size and the planner's
+against the better of the other two.
 """
 
 from __future__ import annotations
@@ -68,37 +70,40 @@ def run(args, model: str, workdir: str) -> dict:
 
     socket = os.path.join(workdir, "pool.sock")
     rng = random.Random(3)
-    out = {}
-    for speed in ("fast", "slow"):
-        fault = os.path.join(workdir, f"fault-{speed}.json")
-        if speed == "slow":
-            with open(fault, "w") as f:
-                json.dump({"role": "worker", "op": "lease", "kind": "latency", "seconds": args.slow_lease}, f)
-        for mode, planner in MODES.items():
-            # A pool of its own per run, and fresh prompts: no run finds another's objects.
-            serve = ["pool", "serve", "--socket", socket, "--capacity", "2GiB"]
-            pool = subprocess.Popen([sys.executable, "-m", "ascend_store.ops.cli", *serve],
-                                    stderr=subprocess.DEVNULL)
-            try:
-                deadline = time.monotonic() + 30
-                while not ping(socket):
-                    if pool.poll() is not None or time.monotonic() > deadline:
-                        sys.exit("the pool did not start")
-                    time.sleep(0.1)
-                prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in args.sizes]
-                spec = {"model": model, "socket": socket, "planner": planner, "reps": args.reps,
-                        "prompts": prompts}
-                print(f"{speed} pool, {mode} ...", flush=True)
-                env = {**os.environ, "ASCEND_STORE_TEST_FAULT": fault, "PYTHONPATH": REPO}
-                proc = subprocess.run([sys.executable, __file__, "--engine", json.dumps(spec)],
-                                      capture_output=True, text=True, env=env)
-                line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-                if proc.returncode or not line:
-                    sys.exit(f"{speed}/{mode} failed:\n{proc.stderr[-4000:]}")
-                out[f"{speed}/{mode}"] = json.loads(line[0][len("RESULT "):])["rows"]
-            finally:
-                pool.terminate()
-                pool.wait(30)
+    out: dict[str, list] = {}
+    slow = os.path.join(workdir, "fault-slow.json")
+    with open(slow, "w") as f:
+        json.dump({"role": "worker", "op": "lease", "kind": "latency", "seconds": args.slow_lease}, f)
+    # Odd rounds run the modes in reverse order: a drift of the machine's speed over a run
+    # then weighs on every mode alike.
+    order = lambda r: list(MODES.items())[::-1 if r % 2 else 1]  # noqa: E731
+    for rnd, speed, (mode, planner) in [(r, s, m) for r in range(args.rounds) for s in ("fast", "slow")
+                                         for m in order(r)]:
+        # A pool of its own per run, and fresh prompts: no run finds another's objects.
+        serve = ["pool", "serve", "--socket", socket, "--capacity", "2GiB"]
+        pool = subprocess.Popen([sys.executable, "-m", "ascend_store.ops.cli", *serve],
+                                stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 30
+            while not ping(socket):
+                if pool.poll() is not None or time.monotonic() > deadline:
+                    sys.exit("the pool did not start")
+                time.sleep(0.1)
+            prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in args.sizes]
+            spec = {"model": model, "socket": socket, "planner": planner, "reps": args.reps,
+                    "prompts": prompts}
+            print(f"round {rnd + 1}: {speed} pool, {mode} ...", flush=True)
+            fault = slow if speed == "slow" else os.path.join(workdir, "no-fault.json")
+            env = {**os.environ, "ASCEND_STORE_TEST_FAULT": fault, "PYTHONPATH": REPO}
+            proc = subprocess.run([sys.executable, __file__, "--engine", json.dumps(spec)],
+                                  capture_output=True, text=True, env=env)
+            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode or not line:
+                sys.exit(f"{speed}/{mode} failed:\n{proc.stderr[-4000:]}")
+            out.setdefault(f"{speed}/{mode}", []).extend(json.loads(line[0][len("RESULT "):])["rows"])
+        finally:
+            pool.terminate()
+            pool.wait(30)
     return out
 
 
@@ -125,6 +130,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--slow-lease", type=float, default=0.5)
     ap.add_argument("--json")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
@@ -140,8 +146,8 @@ def main() -> None:
     report(results, args.sizes)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"sizes": args.sizes, "reps": args.reps, "slow_lease_s": args.slow_lease,
-                       "runs": results}, f, indent=1)
+            json.dump({"sizes": args.sizes, "reps": args.reps, "rounds": args.rounds,
+                       "slow_lease_s": args.slow_lease, "runs": results}, f, indent=1)
 
 
 if __name__ == "__main__":

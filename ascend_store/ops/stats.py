@@ -80,7 +80,8 @@ GAUGES = {"max_rpcs_per_step": "most pool calls in one worker step",
           "pool_used_bytes": "pool bytes in use", "pool_capacity_bytes": "pool capacity",
           "pool_evictions": "objects the pool evicted since it started",
           "planner_compute_us_per_token": "the load planner's compute time per prefill token (us)",
-          "planner_load_us_per_token": "the load planner's load time per pool token (us)"}
+          "planner_load_us_per_token": "the load planner's load time per pool token (us)",
+          "planner_load_call_us": "the load planner's load time per loading step, beyond its tokens' (us)"}
 SECONDS = {"load_seconds": "time in load jobs", "save_seconds": "time in save copies",
            "lookup_seconds": "time in lookups", "selftest_seconds": "time in the KV layout self-test"}
 

@@ -51,3 +51,20 @@ def test_a_steps_own_cost_is_not_charged_to_its_tokens_and_the_margin_holds():
     p.report()
     assert round(p.counters.total["planner_compute_us_per_token"]) == 1000
     assert round(p.counters.total["planner_load_us_per_token"]) == 1050
+
+
+def test_a_tier_whose_cost_is_per_call_loads_large_hits_and_recomputes_small_ones():
+    """A throttled tier's cost is mostly per call (a lease's latency), not per token: from
+    one hit size that cannot be told apart, so a hit twice the largest measured loads once,
+    and the two sizes separate the parts."""
+    p = _planner()
+    p.observe(StepCost(1000, 0, 1.0))  # compute: 1 ms a token
+    p.observe(StepCost(0, 500, 0.6))  # 500 tokens loaded in 0.6 s: 1.2 ms a token, or 0.6 s a call
+    assert p.plan(500) == 0  # dearer than computing, whatever the split
+    assert p.plan(2000) == 2000  # four times the size: measured once
+    p.observe(StepCost(0, 2000, 0.62))
+    assert p.load_call_s > 0.5 and p.load_s_per_token < 1e-4
+    assert p.plan(2000) == 2000 and p.plan(4000) == 4000  # 0.6 s against 2 and 4 s
+    assert p.plan(500) == 0  # 0.6 s against 0.5
+    p.report()
+    assert p.counters.total["planner_load_call_us"] > 5e5
