@@ -11,8 +11,8 @@ mode) is one engine process: it computes one prompt of each size first (the pool
 the planner learns what a token costs to compute), then sends the same prompts ``--reps``
 times, each request alone, one token each. Engine processes of one configuration differ by
 up to 10% on a busy 2-core machine, so ``--rounds`` runs every (speed, mode) that many times,
-round robin (every other round in reverse order), and pools their repetitions. Prints the median TTFT per size and the planner's
-against the better of the other two.
+round robin (every other round in reverse order), and pools their repetitions. Prints the
+median TTFT per size and the planner's against the better of the other two.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ path of every request, hits or not. So:
 - at the end of the step's scheduling (``flush``, from ``build_connector_meta``) the batch
   of every request asked in the step goes to a background thread as one ``exists`` call,
   keys shared by several requests asked once: at most one lookup call per step;
+- while a request waits for its answer vLLM often has nothing else to run and loops
+  through empty steps on the GIL; the scheduler yields the GIL when it hands the thread a
+  batch and when it finds a request unanswered, so the thread sends the question and takes
+  the reply at once instead of after the interpreter's 5 ms switch interval each time;
 - a request not answered within ``lookup_timeout_s`` of its first ask is a miss (until the
   pool first answers, within ``first_deadline_s``: an engine's first requests come right
   after it starts, while a store client may still be connecting);
@@ -105,6 +109,7 @@ class PoolLookups:
         if ask is not None:
             if ask.answer is None and not ask.failed:
                 if now - ask.asked_at < self._deadline():
+                    time.sleep(0)  # the thread may be waiting for the GIL to take its reply
                     return None
                 self.counters["lookup_timeouts"] += 1
             st.ask = None
@@ -192,6 +197,7 @@ class PoolLookups:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="ascend-store-lookup", daemon=True)
             self._thread.start()
+        time.sleep(0)  # hand the GIL to the thread now, not after the interpreter's 5 ms switch interval
         return 1 if batch else 0
 
     def _publish(self) -> None:

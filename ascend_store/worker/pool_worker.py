@@ -3,7 +3,8 @@
 The moving of bytes lives beside it: ``loads.py`` (a step's pool hits into the cache,
 layer by layer) and ``saves.py`` (a step's new chunks into the pool), sharing the
 registered layers and the pool through ``worker_context.WorkerContext``. This module
-keeps what spans both: registration (layouts, codecs, the batched copy path), the
+keeps what spans both: registration (``registration.py`` turns the caches into layer
+parts and object formats; here the batched copy path and the self-test are set up), the
 hybrid models' deferred state copies, and the per-step bookkeeping the tests read.
 With ``use_layerwise: false`` the same jobs run whole: the load before the forward, the
 save after it; so does every step that vLLM may run as one full CUDA/ACL graph (uniform
@@ -20,11 +21,11 @@ import torch
 from ascend_store.backends import BackendUnavailable, create_backend
 from ascend_store.common import seams
 from ascend_store.common.codecs import get_codec
-from ascend_store.common.config import ConfigError, StoreConfig
+from ascend_store.common.config import StoreConfig
 from ascend_store.common.keys import KeySpace, identity_from_vllm
 from ascend_store.common.layers import STATE, group_kinds, layer_ids
 from ascend_store.common.metadata import StepMetadata, WorkerReport
-from ascend_store.common.parallel import head_slices, sharding
+from ascend_store.common.parallel import sharding
 from ascend_store.common.transfer import LayerLayout
 from ascend_store.device.device_path import DevicePath
 from ascend_store.device.platform import PinError, batched_copies
@@ -34,9 +35,10 @@ from ascend_store.worker.async_loads import AsyncLoads
 from ascend_store.worker.graph_waits import GraphWaits
 from ascend_store.worker.hybrid import DeferredStateCopies, state_layout
 from ascend_store.worker.loads import Loader
+from ascend_store.worker.registration import checked_layout, layer_parts, object_formats
 from ascend_store.worker.saves import Saver
 from ascend_store.worker.step_timer import StepTimer
-from ascend_store.worker.worker_context import GroupFormat, WorkerContext
+from ascend_store.worker.worker_context import WorkerContext
 
 log = logging.getLogger("ascend_store")
 
@@ -135,30 +137,15 @@ class PoolWorker:
                          else seams.state_views(self.vllm_config, name))
                 ctx.layouts[name] = state_layout(views, self.num_blocks)
                 continue
-            for part, t, dims in self._parts(name, tensor):
-                ctx.layouts[part] = self._layout(part, t, dims)
+            spec = self.kv_specs[self.layer_ids[name][0]]
+            parts = layer_parts(name, tensor, spec, self.sharding, self.tp_rank, self.num_blocks)
+            self.parts[name] = [p for p, _, _ in parts]
+            for part, t, dims in parts:
+                ctx.layouts[part] = checked_layout(part, t, self.num_blocks, dims, self.codec)
+                ctx.codecs[part] = self.codec
         ctx.order = [p for n in self.layer_ids for p in self.parts.get(n, (n,)) if p in ctx.layouts]
         ctx.rank = {name: r for r, name in enumerate(ctx.order)}
-        held = {self.layer_ids[self.layer_of(p)][0] for p in ctx.order}
-        empty = sorted(set(range(len(self.kv_specs))) - held)
-        if empty:  # the scheduler asks every stage for every group's object
-            raise ConfigError(f"ascend-store: KV cache groups {empty} have no layer on pipeline stage "
-                              f"{self.pp_rank}; choose a pipeline split that gives every stage "
-                              "layers of every group (docs/parallel.md)")
-        n = len(self.keyspaces)
-        for g in sorted(held):
-            for k, ks in enumerate(self.keyspaces):
-                names = [p for p in ctx.order
-                         if self.layer_ids[self.layer_of(p)][0] == g and self._holds(ks, p)]
-                if not names:
-                    raise ConfigError(f"ascend-store: no layer of KV cache group {g} on this rank belongs in "
-                                      f"{ks.prefix(g)} (docs/parallel.md)")
-                ids = [self.layer_ids[self.layer_of(p)][1] for p in names]
-                labels = [f"{i}{p[len(self.layer_of(p)):]}" for i, p in zip(ids, names)]  # 7, 7#0, 7#h1of2
-                fid = g * n + k  # one object format per (group, shard)
-                ctx.groups[fid] = GroupFormat.of(fid, ks.prefix(g), names, labels, ctx.layouts, ctx.codecs,
-                                                 source=g)
-                ctx.group_of.update({p: (fid, i) for i, p in enumerate(names)})
+        object_formats(ctx, self.keyspaces, self.layer_ids, len(self.kv_specs), self.sharding, self.pp_rank)
         states = {n: ctx.layouts[n] for n in ctx.order if n in self.state_layers}
         first = ctx.layouts[next(n for n in ctx.order if n not in states)]
         log.info("ascend-store: %d layers (%d with recurrent state) in %d chunk objects per chunk, page "
@@ -189,55 +176,6 @@ class PoolWorker:
                 n: [p for p in self.parts.get(n, (n,)) if p in ctx.rank] for n in kv_caches})
         log.info("ascend-store: copy path %s on %s", "batched" if ctx.device_path else "per_block", device)
         ctx.backend = selftest.checked_pool(ctx, self.num_blocks)  # no pool if a block comes back wrong
-
-    def _parts(self, name: str, tensor) -> list[tuple[str, torch.Tensor, tuple | None]]:
-        """(part, tensor, KV dims) of a layer. vLLM hands one tensor per layer; vllm-ascend a
-        tuple: (K, V) split caches, MLA's (nope, rope) with different last dims, or more (an
-        indexer cache): each tensor is its own part of the chunk object, ``{layer}#{i}``.
-        With head slices each slice is a part ``{layer}#h{j}of{S}`` (``{layer}#{i}#h{j}of{S}``)
-        of its slice's object."""
-        spec = self.kv_specs[self.layer_ids[name][0]]
-        dims = tuple(getattr(spec, a, None) for a in ("num_kv_heads", "block_size", "head_size"))
-        dims = None if None in dims else dims
-        shards = self.sharding.shards(self.tp_rank)
-        tensors = list(tensor) if isinstance(tensor, (list, tuple)) else None
-        if not self.sharding.slices:
-            if tensors is None:
-                return [(name, tensor, dims)]
-            parts = [(f"{name}#{i}", t, None) for i, t in enumerate(tensors)]  # dims: a whole page's
-        else:  # each tensor's slices; a tuple cache's K and V of a slice both go into its object
-            named = [(name, tensor)] if tensors is None else \
-                [(f"{name}#{i}", t) for i, t in enumerate(tensors)]
-            part_dims = (dims[0] // len(shards), *dims[1:]) if tensors is None else None
-            parts = [(f"{part}#{s}", v, part_dims) for part, t in named
-                     for s, v in zip(shards, head_slices(t, self.num_blocks, dims, len(shards)))]
-        self.parts[name] = [p for p, _, _ in parts]
-        return parts
-
-    def _holds(self, ks: KeySpace, part: str) -> bool:
-        """Whether a layer part goes into ``ks``'s objects: its head slice (parts end in
-        ``#h{j}of{S}``) and its layer span (``L{first}-{last}``)."""
-        if self.sharding.slices and not part.endswith("#" + ks.shard):
-            return False
-        if self.sharding.layer_slices:
-            first, last = map(int, ks.span[1:].split("-"))
-            return first <= self.layer_ids[self.layer_of(part)][1] <= last
-        return True
-
-    def layer_of(self, part: str) -> str:
-        return part.split("#", 1)[0]
-
-    def _layout(self, part: str, tensor: torch.Tensor, dims: tuple | None) -> LayerLayout:
-        try:  # a layout the pool cannot address stops the engine here, naming the layer
-            layout = LayerLayout.of(tensor, self.num_blocks, dims)
-        except ValueError as exc:
-            raise ValueError(f"ascend-store cannot store KV cache {part}: {exc}") from None
-        try:
-            self.codec.check(layout)
-        except ValueError as exc:
-            raise ValueError(f"ascend-store codec {self.codec.name!r} cannot store {part}: {exc}") from None
-        self.ctx.codecs[part] = self.codec
-        return layout
 
     def _install_hybrid(self, states: dict[str, LayerLayout]) -> None:
         """Make linear-attention layers drive the layer protocol and defer the runner's

@@ -24,6 +24,7 @@ from ascend_store.common.metadata import ChunkLoad, ChunkSave, StepMetadata
 from ascend_store.common.transfer import LayerLayout
 from ascend_store.device import kernels
 from ascend_store.device.segments import WORD
+from ascend_store.worker import pool_worker
 from ascend_store.worker.pool_worker import PoolWorker
 from ascend_store.worker.selftest import PoolOff
 
@@ -163,13 +164,13 @@ BAD = "model.layers.3.self_attn.attn#1"  # the V cache of the second layer
 
 def _break_the_copy_path(monkeypatch, copy_path: str, caches: dict) -> None:
     if copy_path == "per_block":
-        layout_of = PoolWorker._layout
+        layout_of = pool_worker.checked_layout
 
-        def wrong(self, part, tensor, dims):
-            lay = layout_of(self, part, tensor, dims)
+        def wrong(part, *args):
+            lay = layout_of(part, *args)
             return OneBlockLate(lay.tensor, lay.block_dim, lay.kv_dims, lay.order) if part == BAD else lay
 
-        monkeypatch.setattr(PoolWorker, "_layout", wrong)
+        monkeypatch.setattr(pool_worker, "checked_layout", wrong)
     else:  # the batched path's copies into that part's cache (torch ops on CPU) start a block late
         bad = caches[BAD.split("#")[0]][1]
         ptr, late = bad.untyped_storage().data_ptr(), bad.stride(0) * bad.element_size() // WORD
