@@ -9,6 +9,12 @@ vLLM's ``fp8_ds_mla``).
 One standalone local pool; per format two engine processes one after the other (the first
 computes and saves, the second loads). Prints one line per format and exits 1 on an error
 or a first token other than the computing engine's.
+
+vLLM's sparse indexer needs DeepGEMM on CUDA (``sparse_attn_indexer.py`` refuses to build
+the layer without it), and the offline GPU kit (../shared/gpu-kit) strips the copy vLLM's
+wheel vendors (``vllm/third_party/deep_gemm``): unpack that folder from the same wheel over
+the kit first. DeepGEMM compiles its kernels at run time, with NVCC or NVRTC under
+``CUDA_HOME``. Without it this script stops before starting anything and says so.
 """
 
 from __future__ import annotations
@@ -95,6 +101,13 @@ def main() -> int:
     if args.child:
         child(json.loads(args.child))
         return 0
+    import torch
+    from vllm.utils.import_utils import has_deep_gemm
+
+    if torch.cuda.is_available() and not has_deep_gemm():
+        print("this vLLM has no DeepGEMM, which its DeepSeek-V3.2 indexer needs on CUDA: unpack "
+              "vllm/third_party/deep_gemm from the vLLM wheel over it (see this script's docstring)")
+        return 2
     tmp = tempfile.mkdtemp(prefix="ascend-sparse-")
     model = os.path.join(tmp, "model")
     os.makedirs(model)
