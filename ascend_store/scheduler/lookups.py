@@ -11,8 +11,9 @@ path of every request, hits or not. So:
   keys shared by several requests asked once: at most one lookup call per step;
 - while a request waits for its answer vLLM often has nothing else to run and loops
   through empty steps on the GIL; the scheduler yields the GIL when it hands the thread a
-  batch and when it finds a request unanswered, so the thread sends the question and takes
-  the reply at once instead of after the interpreter's 5 ms switch interval each time;
+  batch and at each step's first lookup (twice a step at most: a yield can cost the
+  scheduler the thread's Python work), so the thread sends the question and takes the
+  reply at once instead of after the interpreter's 5 ms switch interval each time;
 - a request not answered within ``lookup_timeout_s`` of its first ask is a miss (until the
   pool first answers, within ``first_deadline_s``: an engine's first requests come right
   after it starts, while a store client may still be connecting);
@@ -100,8 +101,9 @@ class PoolLookups:
     def lookup(self, st: LookupState, hashes: list[str], start: int, limit: int, tails) -> Hit | None:
         """The pool's hit for a request (None: not known yet, ask again next step).
         ``tails(c)``: the hashes of chunk ``c`` cut after 1, 2, ... blocks."""
-        if self._now is None:
+        if self._now is None:  # the step's first lookup
             self._now = time.monotonic()
+            time.sleep(0)  # the thread may be waiting for the GIL to take its reply
             self._publish()
         ask, now = st.ask, self._now
         if ask is not None and ask.start != start:  # asked again from elsewhere (a preemption)
@@ -109,7 +111,6 @@ class PoolLookups:
         if ask is not None:
             if ask.answer is None and not ask.failed:
                 if now - ask.asked_at < self._deadline():
-                    time.sleep(0)  # the thread may be waiting for the GIL to take its reply
                     return None
                 self.counters["lookup_timeouts"] += 1
             st.ask = None
