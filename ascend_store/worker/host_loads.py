@@ -181,7 +181,7 @@ def load_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, page
 def copy_layer(words: torch.Tensor, arena: np.ndarray, layout: LayerLayout, adm, i: int, name: str,
                starts: np.ndarray, failed: set[int], verify: bool, scratch: Scratch,
                gate: WriteGate) -> list[tuple[int, str]]:
-    """Layer ``i`` (``name``) of a group's admitted entries (``loads.Admitted``) by
+    """Layer ``i`` (``name``) of a group's admitted entries (``admission.Admitted``) by
     ``load_layer``; returns (load index, why) for each entry whose part failed."""
     live = ~np.isin(adm.entries, np.fromiter(failed, dtype=np.int64, count=len(failed)))
     faults = load_layer(words, arena, layout, adm.planner.pages, starts, adm.headers[i, adm.obj], live,

@@ -2,7 +2,7 @@
 
 One ``lease`` of the step's chunk objects (one per chunk and KV cache group, every layer
 inside: worker_context.py), one numpy pass over every layer part's header (key, layer,
-layout, codec, size), then the pages move layer by layer. The lease runs on the load
+layout, codec, size: admission.py), then the pages move layer by layer. The lease runs on the load
 thread, never on the forward's. On accelerators that thread then queues the copies on a
 side stream in batches of layers (device_path.py: one plan per step): all of them for a
 short step, else the first ones, and the forward's thread queues each later batch from
@@ -21,41 +21,20 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ascend_store.backends import BackendUnavailable, Status
+from ascend_store.backends import BackendUnavailable
 from ascend_store.common.metadata import ChunkLoad
-from ascend_store.common.transfer import (
-    FLAG_WSUM,
-    HEADER_RECORD,
-    CorruptObject,
-    check_headers,
-    fault_messages,
-    walk_parts,
-)
+from ascend_store.common.transfer import FLAG_WSUM, CorruptObject
 from ascend_store.device.device_work import BatchLoad, LayerObjects, QueuedLoad, queue_window
-from ascend_store.device.segments import CopyPlanner, StepPages
 from ascend_store.worker import host_loads
+from ascend_store.worker.admission import Admitted, lease, reject
 from ascend_store.worker.graph_waits import GraphStep
-from ascend_store.worker.worker_context import GroupStep, WorkerContext
+from ascend_store.worker.worker_context import WorkerContext
 
 log = logging.getLogger("ascend_store")
-
-
-@dataclass
-class Admitted:
-    """A group's entries that passed the header gate, and their objects' layer parts."""
-
-    step: GroupStep
-    entries: np.ndarray  # indexes into the job's loads
-    obj: np.ndarray  # per entry: index into step.keys
-    parts: np.ndarray  # [layer, object] arena offset of each part
-    sizes: np.ndarray  # [layer, object] part sizes
-    headers: np.ndarray  # [layer, object] HEADER_RECORD
-    planner: CopyPlanner  # the entries' pages, shared by the group's layers
 
 
 class LoadJob:
@@ -187,90 +166,6 @@ class Loader:
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
 
-    # -- leasing and checking -------------------------------------------------------
-    def _lease(self, job: LoadJob) -> tuple[torch.Tensor, list[Admitted]]:
-        """Lease the step's chunk objects (one call) and check every layer part's header
-        at once (and payload sums the device copy will not compute)."""
-        ctx = self.ctx
-        ctx.arena()  # map the arena first so slot bounds are checked against it
-        steps = ctx.plan(job.loads)
-        keys = [k for st in steps for k in st.keys]
-        sizes = np.concatenate([st.fmt.size(st.blocks) for st in steps]) if steps else np.zeros(0, np.int64)
-        slots = ctx.backend.lease_slots(keys, sizes.tolist())
-        status, offs, got = slots
-        job.leased = [k for k, ok in zip(keys, (status == Status.OK).tolist()) if ok]
-        arena = ctx.arena()  # again: a pool restart seen by the lease remaps it
-        out, at = [], 0
-        for st in steps:
-            n = len(st.keys)
-            out.append(self._admit(job, arena, st, status[at:at + n], offs[at:at + n], got[at:at + n]))
-            at += n
-        return arena, out
-
-    def _admit(self, job: LoadJob, arena: torch.Tensor, st: GroupStep, status: np.ndarray,
-               offs: np.ndarray, sizes: np.ndarray) -> Admitted:
-        """The gate loaded objects pass on either path: count missing objects, refuse
-        vLLM's null block, check every layer part's header in one numpy pass."""
-        ctx, fmt = self.ctx, st.fmt
-        host = arena.numpy()
-        missing = status != Status.OK
-        ctx.counters["load_missing"] += int(missing.sum())
-        keep = ~missing[st.obj]
-        for j in st.entries[missing[st.obj]].tolist():
-            job.failed.add(j)
-        for j in st.entries[keep].tolist():
-            if j in job.unplaced:  # vLLM's null block: nowhere to load to
-                self._rejected(job, j, CorruptObject(f"{job.loads[j].chunk_hash}: no block allocated for it"))
-        used = np.zeros(len(st.keys), dtype=bool)
-        used[st.obj[keep]] = True
-        used = np.flatnonzero(used)
-        if fmt.fixed:
-            parts, part_sizes = fmt.parts(offs, st.blocks), fmt.part_sizes(st.blocks)
-            whole = sizes == fmt.size(st.blocks)
-        else:
-            parts, part_sizes = walk_parts(host, offs, sizes, len(fmt.layers))
-            whole = np.ones(len(offs), dtype=bool)
-        limit = fmt.per_block[:, None] * st.blocks[None, :]
-        fps = fmt.fingerprints(st.keys)
-        codes = np.zeros(parts.shape, dtype=np.int64)
-        headers = np.zeros(parts.shape, dtype=HEADER_RECORD)
-        if len(used):
-            part_sizes = np.where(whole[None, :], part_sizes, 0)  # a wrong-sized object fits nowhere
-            every = len(used) == len(st.keys)  # the common case: no column to pick or put back
-            cols = slice(None) if every else used
-            c, h = check_headers(host, parts[:, cols].reshape(-1), part_sizes[:, cols].reshape(-1),
-                                 fps[:, cols].reshape(-1), limit[:, cols].reshape(-1),
-                                 ctx.cfg.verify_checksum and ctx.device_path is not None,
-                                 ctx.codecs[fmt.layers[0]], wsum_later=True)
-            c, h = c.reshape(len(fmt.layers), -1), h.reshape(len(fmt.layers), -1)
-            if every:
-                codes, headers = c, h
-            else:
-                codes[:, used], headers[:, used] = c, h
-        bad_obj = codes.any(axis=0)
-        for k in np.flatnonzero(bad_obj).tolist():
-            i = int(np.flatnonzero(codes[:, k])[0])
-            why = fault_messages(codes[i:i + 1, k], headers[i:i + 1, k], part_sizes[i:i + 1, k],
-                                 limit[i:i + 1, k], lambda _: f"{st.keys[k]} layer {fmt.layers[i]}")[0]
-            for j in st.entries[st.obj == k].tolist():
-                self._rejected(job, j, CorruptObject(why))
-        good = np.fromiter((j not in job.failed for j in st.entries.tolist()), dtype=bool,
-                           count=len(st.entries))
-        entries, obj = st.entries[good], st.obj[good]
-        loads = [job.loads[j] for j in entries.tolist()]
-        pages = StepPages.of([ld.block_ids for ld in loads], [ld.skip for ld in loads],
-                             [ld.object_blocks for ld in loads])
-        moved = int(sum(len(ld.block_ids) for ld in loads))
-        ctx.counters["loaded_objects"] += len(used)
-        ctx.counters["loaded_bytes"] += moved * int(fmt.per_block.sum())
-        return Admitted(st, entries, obj, parts, part_sizes, headers, CopyPlanner(pages))
-
-    def _rejected(self, job: LoadJob, j: int, exc: CorruptObject) -> None:
-        self.ctx.counters["load_corrupt"] += 1
-        log.warning("KV pool object rejected, recomputing: %s", exc)
-        job.failed.add(j)
-        job.corrupt.add(j)
-
     # -- the two paths --------------------------------------------------------------
     def _run_load(self, job: LoadJob) -> None:
         """The host path (a background thread): layer by layer, verify and copy (raw
@@ -278,7 +173,7 @@ class Loader:
         ctx = self.ctx
         t0 = time.perf_counter()
         try:
-            arena, admitted = self._lease(job)
+            arena, admitted = lease(self.ctx, job)
             host, words = arena.numpy(), host_loads.words_of(arena)
             for name in ctx.order:
                 if job.cancelled:
@@ -299,7 +194,7 @@ class Loader:
                                                       job.gate)
                         self._scratch.rest(t_layer)
                     for j, why in bad:
-                        self._rejected(job, j, CorruptObject(why))
+                        reject(self.ctx, job, j, CorruptObject(why))
                 job.events[name].set()
         except host_loads.GivenUp:
             pass  # every block of it is failed already
@@ -320,7 +215,7 @@ class Loader:
         ctx = self.ctx
         t0 = time.perf_counter()
         try:
-            arena, admitted = self._lease(job)
+            arena, admitted = lease(self.ctx, job)
             job.arena = arena
             admitted = [adm for adm in admitted if len(adm.entries)]
             # One group (dense models): its first DMAs go out while the rest is planned.
@@ -379,7 +274,7 @@ class Loader:
                 for e in bad:
                     j = int(adm.entries[e])
                     if j not in job.failed:
-                        self._rejected(job, j, CorruptObject(
+                        reject(self.ctx, job, j, CorruptObject(
                             f"{adm.step.keys[adm.obj[e]]} layer {objs.name}: checksum mismatch"))
         self._thread.submit(self._release, job)
 
