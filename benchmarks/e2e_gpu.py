@@ -110,6 +110,12 @@ def kv_layers(geometry: str) -> int:
     return layers // FULL_ATTENTION_EVERY if geometry.startswith("hybrid") else layers
 
 
+def floor_ms(geometry: str, tokens: int, gbs: float) -> float:
+    """The link floor: a prompt's KV bytes (bf16) over the pinned-copy bandwidth."""
+    _, _, _, kv, hd, _ = GEOMETRIES[geometry]
+    return tokens * 2 * kv_layers(geometry) * kv * hd * 2 / gbs / 1e6
+
+
 def model_dir(geometry: str) -> str:
     """A config-only model directory (weights come from vLLM's dummy loader)."""
     layers, hidden, heads, kv, hd, ffn = GEOMETRIES[geometry]
@@ -474,8 +480,6 @@ def report(results: dict, tokens: list[int]) -> None:
     the first token matches recompute's."""
     gbs = results["link_gbs"]
     for geometry in sorted({k.split("/")[0] for k in results["runs"]}):
-        _, _, _, kv, hd, _ = GEOMETRIES[geometry]
-        layers = kv_layers(geometry)
         runs = {k.split("/")[1]: r for k, r in results["runs"].items() if k.startswith(geometry + "/")}
         base = runs.get("recompute", {})
         print(f"{geometry}: TTFT ms " + " ".join(f"{n // 1024:>7}K" for n in tokens) + "   same token")
@@ -493,7 +497,7 @@ def report(results: dict, tokens: list[int]) -> None:
                 print("    " + concurrent_line(r["concurrent"]))
             if "decode" in r:
                 print("    " + decode_line(r["decode"]))
-        floor = [n * 2 * layers * kv * hd * 2 / gbs / 1e6 for n in tokens]
+        floor = [floor_ms(geometry, n, gbs) for n in tokens]
         print(f"  {'link floor':<22}" + " ".join(f"{f:8.1f}" for f in floor))
 
 
@@ -506,8 +510,6 @@ def plot(results: dict, tokens: list[int], path: str) -> None:
     geometries = sorted({k.split("/")[0] for k in results["runs"]})
     fig, axes = plt.subplots(1, len(geometries), figsize=(6 * len(geometries), 4), squeeze=False)
     for ax, geometry in zip(axes[0], geometries):
-        _, _, _, kv, hd, _ = GEOMETRIES[geometry]
-        layers = kv_layers(geometry)
         for i, name in enumerate(CONFIGS):  # one colour per configuration in every panel
             r = results["runs"].get(f"{geometry}/{name}")
             if r is not None and "error" not in r:
@@ -515,8 +517,8 @@ def plot(results: dict, tokens: list[int], path: str) -> None:
                 ax.plot([n // 1024 for n in tokens], [r[str(n)]["ttft_ms"] for n in tokens],
                         "o:" if wrong else "o-", color=f"C{i}",
                         label=name + (" (not recompute's token)" if wrong else ""))
-        ax.plot([n // 1024 for n in tokens], [n * 2 * layers * kv * hd * 2 / results["link_gbs"] / 1e6
-                                              for n in tokens], "k--", label="link floor")
+        ax.plot([n // 1024 for n in tokens], [floor_ms(geometry, n, results["link_gbs"]) for n in tokens],
+                "k--", label="link floor")
         ax.set(title=f"{geometry}: TTFT of a full prefix hit", xlabel="prompt (K tokens)", ylabel="ms",
                yscale="log")
         ax.legend(fontsize=7)
