@@ -4,10 +4,14 @@ Rows (GB/s, median of --rounds; objects of --object-mib from a shared-memory buf
   tier write        DiskTier.put of every object (what a spill costs: CRC32 + write + rename)
   tier read warm    DiskTier.read_into, files still in the page cache (a recent spill)
   tier read cold    the same after fsync + POSIX_FADV_DONTNEED on every file (from the disk)
+  int8 tier ...     the same three with ``disk_codec: int8``: each object stored in its INT8 form
+                    (spill_int8.py: encode on write, decode on read), GB/s of the objects' own bytes
   O_DIRECT write/read  the same objects written and read with O_DIRECT (4 KiB-aligned, no CRC):
                     whether bypassing the page cache would pay on this disk
   plain write/read  one file of the same bytes, written and read (cold) in 4 MiB pieces
   cp                shutil.copyfile of that file (cold source)
+Each object is a chunk object of 8 layer parts of bf16 attention pages (random normal values),
+sealed like the worker's, so both codecs store what they would store for a model.
 Usage: python benchmarks/disk_tier.py [--dir DIR] [--objects N] [--object-mib M] [--rounds R] [--json PATH]
 """
 
@@ -25,9 +29,20 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
+import numpy as np  # noqa: E402
+
 from ascend_store.backends.local.disk import DiskTier  # noqa: E402
+from ascend_store.common.header import (  # noqa: E402
+    ELEM_BF16,
+    FLAG_WSUM,
+    HEADER,
+    HEADER_BYTES,
+    HEADER_VERSION,
+    MAGIC,
+)
 
 PIECE = 4 * 2**20
+PARTS = 8  # layer parts per object
 
 
 def _drop_cache(paths) -> None:
@@ -67,18 +82,42 @@ def _direct(directory: str, views) -> tuple[float, float]:
     return w, r
 
 
-def _round(directory: str, keys, views, view, size: int, total: int) -> dict[str, float]:
-    os.makedirs(directory)
-    rows = {}
-    tier = DiskTier(os.path.join(directory, "tier"), total * 2)
-    rows["tier write"] = _timed(lambda: [tier.put(k, v) for k, v in zip(keys, views)])
-    rows["tier read warm"] = _timed(lambda: [tier.read_into(k, v) for k, v in zip(keys, views)])
+def _fill(view: memoryview, payload: int) -> None:
+    """A chunk object of PARTS bf16 attention parts of ``payload`` bytes each (the header's
+    checksum is not computed: nothing here checks it)."""
+    head = np.frombuffer(HEADER.pack(MAGIC, HEADER_VERSION, FLAG_WSUM, bytes(8), payload, 0, 0, ELEM_BF16),
+                         dtype=np.uint8)
+    rows = np.frombuffer(view, dtype=np.uint8).reshape(PARTS, HEADER_BYTES + payload)
+    x = np.random.default_rng(len(rows)).standard_normal((PARTS, payload // 2), dtype=np.float32)
+    rows[:, :HEADER_BYTES] = head
+    rows[:, HEADER_BYTES:] = (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+
+def _tier_rows(directory: str, codec: str, keys, views, total: int) -> dict[str, float]:
+    label = "tier" if codec == "raw" else f"{codec} tier"
+    tier = DiskTier(os.path.join(directory, label.replace(" ", "-")), total * 2, codec=codec)
+    back = [memoryview(bytearray(len(v))) for v in views]
+
+    def read():
+        for k, b in zip(keys, back):
+            tier.read_into(k, b)
+
+    rows = {f"{label} write": _timed(lambda: [tier.put(k, v) for k, v in zip(keys, views)])}
+    rows[f"{label} read warm"] = _timed(read)
     _drop_cache(os.path.join(tier.directory, n) for n in os.listdir(tier.directory) if n.endswith(".obj"))
-    rows["tier read cold"] = _timed(lambda: [tier.read_into(k, v) for k, v in zip(keys, views)])
+    rows[f"{label} read cold"] = _timed(read)
     assert tier.counters["corrupt"] == 0
+    assert tier.counters["int8_writes"] == (len(keys) if codec == "int8" else 0)
     tier.close()
+    return rows
+
+
+def _round(directory: str, keys, views, slots, view, total: int) -> dict[str, float]:
+    os.makedirs(directory)
+    rows = {**_tier_rows(directory, "raw", keys, views, total),
+            **_tier_rows(directory, "int8", keys, views, total)}
     try:
-        rows["O_DIRECT write"], rows["O_DIRECT read"] = _direct(directory, views)
+        rows["O_DIRECT write"], rows["O_DIRECT read"] = _direct(directory, slots)
     except OSError as exc:
         print(f"O_DIRECT unavailable here: {exc.strerror}", file=sys.stderr)
     plain = os.path.join(directory, "plain")
@@ -111,14 +150,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds (medians are printed)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    size = int(args.object_mib * 2**20) // 4096 * 4096
-    total = size * args.objects
+    # Parts of whole 4 KiB pages of bf16 values; objects in 4 KiB-aligned slots (O_DIRECT
+    # moves whole slots: their padding is under 1% of an object of 1 MiB or more).
+    payload = max(4096, int(args.object_mib * 2**20) // PARTS // 4096 * 4096)
+    size = PARTS * (HEADER_BYTES + payload)
+    stride = -(-size // 4096) * 4096
+    total = stride * args.objects
     base = tempfile.mkdtemp(prefix="ascend-disk-bench-", dir=args.dir or "/var/tmp")
     arena = mmap.mmap(-1, total)  # page-aligned, like the pool's arena
-    for i in range(0, total, PIECE):
-        arena[i:i + PIECE] = os.urandom(min(PIECE, total - i))
     view = memoryview(arena)
-    views = [view[i * size:(i + 1) * size] for i in range(args.objects)]
+    views = [view[i * stride:i * stride + size] for i in range(args.objects)]
+    slots = [view[i * stride:(i + 1) * stride] for i in range(args.objects)]
+    for v in views:
+        _fill(v, payload)
     keys = [f"bench/g0/tp0of1/L0-27/{i:032x}" for i in range(args.objects)]
     samples: dict[str, list[float]] = {}
     try:
@@ -126,14 +170,16 @@ def main() -> None:
         # writes after a quiet spell ran ~10x slower here (the kernel reclaiming page cache),
         # whichever row came first.
         for r in range(args.rounds + 1):
-            got = _round(os.path.join(base, f"r{r}"), keys, views, view, size, total)
+            got = _round(os.path.join(base, f"r{r}"), keys, views, slots, view, total)
             for name, secs in got.items():
                 if r:
                     samples.setdefault(name, []).append(secs)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     rows = {name: statistics.median(v) for name, v in samples.items()}
-    out = {name: total / secs / 1e9 for name, secs in rows.items()}
+    # GB/s of what each row moves: the objects' own bytes for the tiers, whole slots for the rest.
+    out = {name: (size * args.objects if "tier" in name else total) / secs / 1e9
+           for name, secs in rows.items()}
     print(f"{args.objects} objects of {size / 2**20:.1f} MiB ({total / 2**30:.2f} GiB) in {base}, "
           f"median of {args.rounds} rounds")
     print(f"{'row':18s} GB/s")

@@ -96,6 +96,10 @@ CONFIGS = {
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True, "load_window": 4}}},
     "ascend-layerwise-raw-gw": {"engine": {"enable_prefix_caching": True}, "reset": True,
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True, "graph_layer_waits": True}}},
+    # Layerwise, but a hit of 8K tokens or more loads off the step (async_loads.py).
+    "ascend-layerwise-raw-async": {"engine": {"enable_prefix_caching": True}, "reset": True,
+        "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True,
+                                                       "async_load_min_tokens": 8192}}},
     "ascend-whole-raw": {"engine": {"enable_prefix_caching": True}, "reset": True,
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": False}}},
     "ascend-layerwise-int8": {"engine": {"enable_prefix_caching": True}, "reset": True,
@@ -147,11 +151,10 @@ def model_dir(geometry: str) -> str:
     return path
 
 
-def child(spec: dict) -> None:
-    """One engine, one configuration: prints a RESULT line."""
-    from vllm import LLM, SamplingParams
+def make_engine(spec: dict):
+    """The engine of ``spec``'s configuration (its cache server started first): (LLM, config)."""
+    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     conf = CONFIGS[spec["config"]]
     kwargs = dict(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
@@ -176,11 +179,20 @@ def child(spec: dict) -> None:
                               "capacity": "24GiB" if spec.get("gpu", True) else "2GiB"}
             kv["kv_connector_extra_config"] = extra
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
-    kv_connector = conf.get("kv", {}).get("kv_connector")
     start_server(conf.get("server"), os.path.join(spec["tmp"], f"{spec['name']}-server.log"))
     llm = LLM(**kwargs)
     if spec.get("spread_weights"):
         llm.collective_rpc(spread_weights)
+    return llm, conf
+
+
+def child(spec: dict) -> None:
+    """One engine, one configuration: prints a RESULT line."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm, conf = make_engine(spec)
+    kv_connector = conf.get("kv", {}).get("kv_connector")
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     out = {"cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
     for n in spec["tokens"]:

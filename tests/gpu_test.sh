@@ -3,7 +3,9 @@
 # compiled Triton copy and int8 kernels bit for bit, per-layer waits inside a CUDA graph, the
 # layout self-test with pinned pool memory) and one real-engine check (a 4K-token full hit of
 # the 1B geometry under vLLM's CUDA graphs, the KV cache scrubbed first, must give
-# recompute's first token, raw and int8). Needs torch with CUDA, vLLM, pytest, pyzmq and
+# recompute's first token, raw and int8), and the same for a tiny hybrid (Qwen3-Next: GDN
+# state pooled, its copies deferred behind each layer's load), which must also decode
+# recompute's 16 greedy tokens. Needs torch with CUDA, vLLM, pytest, pyzmq and
 # msgpack in GPU_PYTHON; no network. Writes its output to $1 as well.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,4 +20,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 VLLM_NO_USA
     tests/unit/test_graph_waits.py tests/unit/test_selftest.py
   "$PY" benchmarks/e2e_gpu.py --geometry 1b --tokens 4096 --reps 3 --graphs --scrub --check \
     --configs recompute ascend-layerwise-raw ascend-layerwise-int8
+  "$PY" benchmarks/e2e_gpu.py --geometry hybrid-tiny --tokens 4096 --reps 1 --graphs --scrub --check \
+    --greedy 16 --spread-weights --configs recompute ascend-layerwise-raw
 } 2>&1 | tee "$OUT"

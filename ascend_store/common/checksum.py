@@ -4,13 +4,13 @@ Fletcher-like over a payload's 8-byte words w_i: s1 = sum(w_i), s2 = sum((i + 1)
 mod 2**64. It is cheap on any device, the copy kernels accumulate it per object on the way
 through (a segment at payload word p adds its local sums shifted by p: ``combine_sums``). A flipped
 bit changes s1; reordered words change s2; the header keeps a 32-bit mix of both. A leaf
-module: transfer.py checks it on the host, segments.py and device_path.py on the way.
+module without torch: transfer.py checks it on the host, segments.py, device_path.py and
+int8_path.py on the way, and the pool server seals what its disk tier decodes.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 
 def _mix(z):
@@ -40,22 +40,14 @@ def combine_sums(s1: np.ndarray, t: np.ndarray, payload_word: np.ndarray, first:
         return fold_array(np.add.reduceat(s1, first, axis=-1), np.add.reduceat(s2, first, axis=-1))
 
 
-def word_sums(rows: torch.Tensor) -> torch.Tensor:
-    """(s1, s2) of each payload row [N, bytes] (bytes % 8 == 0), on the rows' device: the
-    checksum's one definition; int64 arithmetic wraps like the uint64 sums it stands for."""
-    w = rows.view(torch.int64)
-    i = torch.arange(1, w.shape[1] + 1, dtype=torch.int64, device=w.device)
-    return torch.stack([w.sum(1), (w * i).sum(1)], dim=1)
-
-
-def fold_sums(sums: np.ndarray) -> list[int]:
-    """The 32-bit values stored in headers for per-object (s1, s2) rows (``word_sums``).
-    Both sums go through a 64-bit mixer, so a change in either changes the result (a
-    plain xor of the two would cancel a change that moves both sums alike)."""
-    u = sums.astype(np.int64).view(np.uint64)
-    return fold_array(u[:, 0], u[:, 1]).tolist()
+def wsum_rows(rows: np.ndarray) -> np.ndarray:
+    """The folded word checksum of each row of ``rows`` [N, bytes] (uint8, bytes % 8 == 0)."""
+    w = np.ascontiguousarray(rows).view(np.uint64)
+    i = np.arange(1, w.shape[1] + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return fold_array(w.sum(axis=1, dtype=np.uint64), (w * i).sum(axis=1, dtype=np.uint64))
 
 
 def wsum_host(payload: np.ndarray) -> int:
     """The folded word checksum of a payload in host memory (uint8, length % 8 == 0)."""
-    return fold_sums(word_sums(torch.from_numpy(payload).view(1, -1)).numpy())[0]
+    return int(wsum_rows(payload.reshape(1, -1))[0])

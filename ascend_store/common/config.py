@@ -229,6 +229,10 @@ class StoreConfig:
     load_timeout_s: float = 30.0
     verify_checksum: bool = True
     codec: str = "raw"
+    # Refuse objects that came back from a lossy tier form (a disk tier storing INT8:
+    # docs/codecs.md) and recompute those chunks; a request asks the same with
+    # ``kv_lossless: true`` in its kv_transfer_params or its sampling params' extra_args.
+    lossless: bool = False
     # Finish a step's saves at the start of the next step (vLLM's handle_preemptions,
     # before any block of that step is written) instead of at the end of this one.
     defer_save_drain: bool = True
@@ -251,6 +255,9 @@ class StoreConfig:
     # Whole mode (use_layerwise false): a pool hit loads off the step (vLLM's
     # WAITING_FOR_REMOTE_KVS); other requests keep decoding meanwhile (async_loads.py).
     async_load: bool = True
+    # Layerwise: a pool hit of at least this many tokens loads off the step as in whole mode
+    # (with async_load); shorter hits load in the step, layer by layer. 0: every hit in the step.
+    async_load_min_tokens: int = 0
     # The share of time the off-step host-path load copies (it sleeps between batches, so
     # decoding requests get the memory bus): 0.33 kept their slowdown during a long hit
     # nearest 1.5x, at the price of the hit's TTFT (docs/benchmarks.md, "Findings behind the
@@ -281,8 +288,9 @@ class StoreConfig:
     lookup_cache: LookupCacheConfig = field(default_factory=LookupCacheConfig)
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "lookup_timeout_s", "load_timeout_s",
-            "verify_checksum", "codec", "defer_save_drain", "defer_state_copy", "copy_path", "load_window",
-            "graph_layer_waits", "async_load", "async_load_share", "load_planner", "commit_before_reply",
+            "verify_checksum", "codec", "lossless", "defer_save_drain", "defer_state_copy", "copy_path",
+            "load_window", "graph_layer_waits", "async_load", "async_load_min_tokens", "async_load_share",
+            "load_planner", "commit_before_reply",
             "consumer_wait_s", "save_decode_cache", "head_slices", "layer_slices", "local", "mooncake",
             "memcache", "lookup_cache")
 
@@ -305,12 +313,14 @@ class StoreConfig:
             load_timeout_s=r.positive("load_timeout_s", 30.0),
             verify_checksum=r.take("verify_checksum", True, bool),
             codec=_codec(r.choice("codec", "raw", CODECS)),
+            lossless=r.take("lossless", False, bool),
             defer_save_drain=r.take("defer_save_drain", True, bool),
             defer_state_copy=r.take("defer_state_copy", True, bool),
             copy_path=r.choice("copy_path", "auto", ("auto", "batched", "per_block")),
             load_window=r.take("load_window", 0, int),
             graph_layer_waits=r.take("graph_layer_waits", False, bool),
             async_load=r.take("async_load", True, bool),
+            async_load_min_tokens=r.take("async_load_min_tokens", 0, int),
             async_load_share=r.positive("async_load_share", 0.33),
             load_planner=r.take("load_planner", False, bool),
             commit_before_reply=r.take("commit_before_reply", True, bool),
@@ -328,6 +338,8 @@ class StoreConfig:
         r.finish(cls.KEYS)
         if cfg.consumer_wait_s < 0:
             raise ConfigError(f"consumer_wait_s: must be >= 0 (0 = never waits), got {cfg.consumer_wait_s}")
+        if cfg.async_load_min_tokens < 0:
+            raise ConfigError(f"async_load_min_tokens: must be >= 0, got {cfg.async_load_min_tokens}")
         if cfg.async_load_share > 1:
             raise ConfigError(f"async_load_share: a share of time, at most 1, got {cfg.async_load_share}")
         if cfg.load_window < 0:

@@ -25,6 +25,7 @@ class ChunkLoad:
     block_ids: list[int]
     skip: int = 0
     object_blocks: int = 0  # 0: skip + len(block_ids)
+    lossless: bool = False  # refuse an object a lossy tier gave back (FLAG_LOSSY)
 
     def __post_init__(self):
         if not self.object_blocks:

@@ -20,7 +20,6 @@ FlashAttention's [2, blocks, block, heads, dim] and block-major re-strided cache
 from __future__ import annotations
 
 import hashlib
-import struct
 import zlib
 from dataclasses import dataclass
 from functools import cached_property
@@ -29,18 +28,22 @@ import numpy as np
 import torch
 
 from ascend_store.common.checksum import wsum_host
+from ascend_store.common.header import (
+    ELEM_BF16,
+    ELEM_F16,
+    ELEM_F32,
+    FLAG_CRC,
+    FLAG_LOSSY,
+    FLAG_WSUM,
+    HEADER,
+    HEADER_BYTES,
+    HEADER_RECORD,
+    HEADER_VERSION,
+    MAGIC,
+    RAW_CODEC,
+)
 
-MAGIC = b"ASKV"
-HEADER = struct.Struct("<4sHH8sQIHH")  # magic, version, flags, fingerprint, payload, crc, codec, pad
-HEADER_BYTES = HEADER.size
-HEADER_VERSION = 1
-# The same header as a numpy record, for checking a layer's objects in one pass.
-HEADER_RECORD = np.dtype([("magic", "S4"), ("version", "<u2"), ("flags", "<u2"), ("fp", "<u8"),
-                          ("payload", "<u8"), ("crc", "<u4"), ("codec", "<u2"), ("pad", "<u2")])
-assert HEADER_RECORD.itemsize == HEADER_BYTES
-FLAG_CRC = 1  # ``crc`` is the payload's CRC32 (host writers of payloads that are not whole words)
-FLAG_WSUM = 2  # ``crc`` is the folded word checksum of checksum.py (every other writer)
-
+_ELEMS = {torch.float32: ELEM_F32, torch.float16: ELEM_F16, torch.bfloat16: ELEM_BF16}
 
 class CorruptObject(ValueError):
     pass
@@ -145,6 +148,14 @@ class LayerLayout:
         return self.canonical(self.blocks())
 
 
+def elem_of(layout: LayerLayout, codec) -> int:
+    """The header's ``elem`` for ``layout``'s objects under ``codec`` (header.py): the float
+    type of raw attention pages, which a pool tier may store as INT8; 0 otherwise."""
+    if codec.cid != RAW_CODEC or layout.kv_dims is None:
+        return 0
+    return _ELEMS.get(layout.tensor.dtype, 0)
+
+
 def fingerprints(keys: list[str], layout: LayerLayout, codec_name: str) -> bytes:
     """8 bytes per key binding an object to its key, the cache layout and the codec."""
     tail = f"|{layout.describe()}|{codec_name}".encode()
@@ -186,7 +197,7 @@ def seal(obj: torch.Tensor, payload_len: int, layout: LayerLayout, key: str, cod
         flags, crc = FLAG_CRC, zlib.crc32(payload.numpy())
     fp = int.from_bytes(fingerprint(key, layout, codec.name), "little") ^ salt
     header = HEADER.pack(MAGIC, HEADER_VERSION, flags, fp.to_bytes(8, "little"), payload_len, crc,
-                         codec.cid, 0)
+                         codec.cid, elem_of(layout, codec))
     obj[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
 
 
@@ -198,6 +209,7 @@ def seal_headers(host: np.ndarray, offsets, payload_lens, keys: list[str] | np.n
     bytes as ``seal`` per object (tests/unit/test_transfer.py)."""
     h = np.zeros(len(offsets), dtype=HEADER_RECORD)
     h["magic"], h["version"], h["flags"], h["codec"] = MAGIC, HEADER_VERSION, flags, codec.cid
+    h["elem"] = elem_of(layout, codec)
     h["fp"] = keys if isinstance(keys, np.ndarray) else np.frombuffer(
         fingerprints(keys, layout, codec.name), dtype="<u8")
     h["payload"] = payload_lens
@@ -275,8 +287,8 @@ def _as_written(words: np.ndarray, expect: np.ndarray, size: np.ndarray, codec, 
     ok &= words[:, 1] == expect.astype(np.uint64)
     ok &= words[:, 2] == (size - HEADER_BYTES).astype(np.uint64)
     ok &= ((words[:, 3] >> np.uint64(32)) & _U16) == np.uint64(codec.cid)
-    if checksum:
-        ok &= (words[:, 0] >> np.uint64(48)) == np.uint64(FLAG_WSUM)
+    if checksum:  # a word checksum, from a writer or from a lossy tier's decode
+        ok &= ((words[:, 0] >> np.uint64(48)) & ~np.uint64(FLAG_LOSSY)) == np.uint64(FLAG_WSUM)
     return bool(ok.all())
 
 

@@ -30,6 +30,7 @@ per layer and quantized by whole-class tensor ops (int8_path.py). vLLM-free, so
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -84,6 +85,9 @@ class DevicePath(DeviceSaves):
         self.gather_stream = self.dev.stream()
         self._ring: list[list] = [[None, None], [None, None]]  # staging buffer, event of its last reader
         self._next = 0
+        # Planning and queueing share the staging ring and its turn (``_next``): an
+        # off-step load's thread queues beside the step's load and the forward's thread.
+        self._lock = threading.RLock()
         self._layer_bases: dict[tuple[str, ...], torch.Tensor] = {}  # a batch's layers -> their cache bases
         self._arena: tuple[object, object, torch.Tensor] | None = None  # (epoch, view, bytes)
 
@@ -149,37 +153,38 @@ class DevicePath(DeviceSaves):
         its kernel needs are queued (copies of one direction can share a copy engine's queue
         whatever their streams: an upload behind both batches held the first kernel back a
         whole batch); their kernels follow in ``queue_batch``."""
-        if not layers:
-            return []
-        parts = np.array([o.offsets for o in layers], dtype=np.int64).reshape(len(layers), -1)
-        sizes = np.array([o.sizes for o in layers], dtype=np.int64).reshape(parts.shape)
-        firsts: list[int] = []  # each batch's first layer
-        held = 0
-        for i, (objs, nbytes) in enumerate(zip(layers, sizes.sum(axis=1).tolist())):
-            last = layers[firsts[-1]] if firsts else None
-            if not (last is not None and held < BATCH_BYTES and objs.name not in self.int8
-                    and last.name not in self.int8 and self.shapes[objs.name] == self.shapes[last.name]
-                    and objs.plan() is last.plan()):
-                firsts.append(i)
-                held = 0
-            held += nbytes
-        ends = firsts[1:] + [len(layers)]
-        planned = [BatchLoad(layers[a:b], parts[a:b], sizes[a:b]) for a, b in zip(firsts, ends)]
-        head = planned[:len(self._ring)]
-        early = head if arena is not None and self.dev.is_accelerator else []
-        self._plan_dmas(head[:1])
-        for bl in early[:1]:
-            self._stage(arena, bl)
-        # One zeroed sums tensor for the step's batches: a row per [layer, object].
-        with self.dev.use(self.load_stream):
-            sums = torch.zeros((parts.size, 2), dtype=torch.int64, device=self.dev.device)
-        for bl, a in zip(planned, firsts):
-            bl.sums_at = (sums, a * parts.shape[1])
-        self._plan_dmas(head[1:])
-        self._plan_kernels(head)
-        for bl in early[1:]:
-            self._stage(arena, bl)
-        return planned
+        with self._lock:
+            if not layers:
+                return []
+            parts = np.array([o.offsets for o in layers], dtype=np.int64).reshape(len(layers), -1)
+            sizes = np.array([o.sizes for o in layers], dtype=np.int64).reshape(parts.shape)
+            firsts: list[int] = []  # each batch's first layer
+            held = 0
+            for i, (objs, nbytes) in enumerate(zip(layers, sizes.sum(axis=1).tolist())):
+                last = layers[firsts[-1]] if firsts else None
+                if not (last is not None and held < BATCH_BYTES and objs.name not in self.int8
+                        and last.name not in self.int8 and self.shapes[objs.name] == self.shapes[last.name]
+                        and objs.plan() is last.plan()):
+                    firsts.append(i)
+                    held = 0
+                held += nbytes
+            ends = firsts[1:] + [len(layers)]
+            planned = [BatchLoad(layers[a:b], parts[a:b], sizes[a:b]) for a, b in zip(firsts, ends)]
+            head = planned[:len(self._ring)]
+            early = head if arena is not None and self.dev.is_accelerator else []
+            self._plan_dmas(head[:1])
+            for bl in early[:1]:
+                self._stage(arena, bl)
+            # One zeroed sums tensor for the step's batches: a row per [layer, object].
+            with self.dev.use(self.load_stream):
+                sums = torch.zeros((parts.size, 2), dtype=torch.int64, device=self.dev.device)
+            for bl, a in zip(planned, firsts):
+                bl.sums_at = (sums, a * parts.shape[1])
+            self._plan_dmas(head[1:])
+            self._plan_kernels(head)
+            for bl in early[1:]:
+                self._stage(arena, bl)
+            return planned
 
     def _plan_kernels(self, bls: list[BatchLoad]) -> None:
         self._plan_raw([bl for bl in bls if bl.layers[0].name not in self.int8])
@@ -249,22 +254,23 @@ class DevicePath(DeviceSaves):
         """Queue a batch's copy from the arena into the caches (DMAs on the stage stream,
         the kernel on the load stream), planning it first unless ``batches`` did; the
         forward may use its layers once its stream waits on the returned ``done`` event."""
-        if bl.plan is None and bl.int8 is None:
-            self._plan_dmas([bl])
-            self._plan_kernels([bl])
-        sums, row = bl.sums_at
-        rows = sums[row:row + bl.parts.size]
-        with self.dev.use(self.load_stream):
-            if bl.int8 is not None:
-                bl.sums = rows  # [objects, 2]
-                self._load_int8(arena, bl)
-            else:
-                bl.sums = rows.view(*bl.parts.shape, 2)
-                self._load_raw(arena, bl)
-            done = self.dev.record(self.load_stream)
-            if bl.slot is not None:
-                bl.slot[1] = done  # the buffer's next DMA waits for this kernel
-            return QueuedLoad(bl.layers, done, bl.sums, bl.sums_at)
+        with self._lock:
+            if bl.plan is None and bl.int8 is None:
+                self._plan_dmas([bl])
+                self._plan_kernels([bl])
+            sums, row = bl.sums_at
+            rows = sums[row:row + bl.parts.size]
+            with self.dev.use(self.load_stream):
+                if bl.int8 is not None:
+                    bl.sums = rows  # [objects, 2]
+                    self._load_int8(arena, bl)
+                else:
+                    bl.sums = rows.view(*bl.parts.shape, 2)
+                    self._load_raw(arena, bl)
+                done = self.dev.record(self.load_stream)
+                if bl.slot is not None:
+                    bl.slot[1] = done  # the buffer's next DMA waits for this kernel
+                return QueuedLoad(bl.layers, done, bl.sums, bl.sums_at)
 
     def check_loads(self, qs: list[QueuedLoad], verify: bool) -> list[list[list[int]]]:
         """Wait for a step's queued loads; per load, per layer, the indexes of objects whose

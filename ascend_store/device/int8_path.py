@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ascend_store.common.checksum import word_sums
 from ascend_store.common.codecs import dequantize, quantize
 from ascend_store.common.transfer import HEADER_BYTES
 from ascend_store.device import kernels
@@ -146,3 +145,11 @@ def quantize_classes(blocks: torch.Tensor, sizes: np.ndarray, pages: StepPages, 
         for dst, src in zip(codec.split_rows(layout, rows, n), quantize(blocks[block])):  # pages object-major
             dst.copy_(src.view(dst.shape))
         yield idx, rows, word_sums(rows)
+
+
+def word_sums(rows: torch.Tensor) -> torch.Tensor:
+    """(s1, s2) of checksum.py's word checksum for each payload row [N, bytes] (bytes % 8 ==
+    0), on the rows' device; int64 arithmetic wraps like the uint64 sums it stands for."""
+    w = rows.view(torch.int64)
+    i = torch.arange(1, w.shape[1] + 1, dtype=torch.int64, device=w.device)
+    return torch.stack([w.sum(1), (w * i).sum(1)], dim=1)

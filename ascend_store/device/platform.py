@@ -116,6 +116,10 @@ class Device:
         ev.record(stream or self._mod.current_stream(self.device))
         return ev
 
+    def done(self, event) -> bool:
+        """Whether the work ``event`` marks has run, without waiting (None: nothing queued)."""
+        return event is None or event.query()
+
     def graph_event(self):
         """A CUDA event that a graph captures a wait on as a node of its own (an external
         event), recorded once so a capture may wait on it."""

@@ -114,6 +114,10 @@ def _parser() -> _Parser:
                        "survive a restart (default: no disk tier)")
     serve.add_argument("--disk-capacity", default="64GiB", metavar="SIZE",
                        help="how much the disk tier may hold, like 500GiB")
+    serve.add_argument("--disk-codec", default="raw", choices=("raw", "int8"),
+                       help="how the disk tier stores attention pages: as they are, or as INT8 with "
+                       "a scale per 32 values (a quarter of fp32, half of bf16; lossy: engines that "
+                       "ask for lossless KV refuse what comes back; docs/codecs.md)")
     serve.add_argument("--force", action="store_true",
                        help="create an arena larger than the machine's memory")
     serve.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)

@@ -60,7 +60,8 @@ def serve(args) -> int:
                         f"(pid {running.get('pid', '?')}); stop it first or give another --socket.")
     try:
         serve(args.socket, capacity, lease_ttl_s=args.lease_ttl, parent_pid=args.parent_pid,
-              disk_path=args.disk_path, disk_capacity=disk_capacity, idle_exit_s=args.idle_exit)
+              disk_path=args.disk_path, disk_capacity=disk_capacity, idle_exit_s=args.idle_exit,
+              disk_codec=args.disk_codec)
     except OSError as exc:
         raise UserError(f"ascend-store pool serve: cannot create the pool at {args.socket}: {exc}") from None
     return 0

@@ -46,6 +46,8 @@ COUNTERS = {
     "saved_bytes": "bytes saved",
     "load_missing": "objects missing at load",
     "load_corrupt": "objects rejected by header or checksum",
+    "load_lossy_refused": "loads refused: the request asks for lossless KV, the object came back "
+                          "from a lossy tier form (disk_codec int8)",
     "load_errors": "load jobs that failed",
     "load_timeouts": "loads abandoned at load_timeout_s",
     "loads_started_at_schedule": "steps whose loads started as the scheduler built the step",

@@ -11,20 +11,16 @@ Two marks say a request is compacted:
 
 from __future__ import annotations
 
+from ascend_store.scheduler.marks import COMPACTED, marked
+
 # The plugin's attribute for its plans, {request id: plan}, on vLLM's scheduler output
 # (transaction.PLAN_ATTRIBUTE; tests/contract/test_ascend_plugins.py checks they match).
 KVCOMPRESS_PLANS = "_ascend_kvcompress_plans_v4"
 
 
 def is_compacted(request) -> bool:
-    """Our mark: ``kv_compacted: True`` in the request's ``kv_transfer_params`` or in its
-    sampling params' ``extra_args``. Read off the request at every save plan, since a
-    method may set it at any step."""
-    for params in (getattr(request, "kv_transfer_params", None),
-                   getattr(getattr(request, "sampling_params", None), "extra_args", None)):
-        if isinstance(params, dict) and params.get("kv_compacted"):
-            return True
-    return False
+    """Our mark: ``kv_compacted: True`` on the request (marks.py), read at every save plan."""
+    return marked(request, COMPACTED)
 
 
 class CompactionPlans:

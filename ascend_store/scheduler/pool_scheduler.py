@@ -45,6 +45,7 @@ from ascend_store.scheduler.decode_saves import DecodeChain
 from ascend_store.scheduler.graph_steps import FullGraphSteps
 from ascend_store.scheduler.hit_cache import BlockHitCache
 from ascend_store.scheduler.lookups import STATE_TAG, TAIL_TAG, LookupState, PoolLookups
+from ascend_store.scheduler.marks import LOSSLESS, marked
 from ascend_store.scheduler.pd_wait import ProducerWait
 from ascend_store.scheduler.planner import LoadPlanner, StepCost
 
@@ -63,6 +64,7 @@ class _Request:
     tail_hit: tuple[str, int] | None = None  # (partial hash, blocks) the pool served past pool_hit
     tail_saved: bool = False
     prompt_done: bool = False  # its prompt is computed (a producer's reply may leave)
+    load_async: bool = False  # its hit loads off the step (async_loads.py)
     async_blocks: set[int] = field(default_factory=set)  # blocks its async load fills
     load_failed: bool = False  # its async load failed: recompute, do not ask the pool again
     extras: KeyExtras | None = None  # what names the request's KV besides its tokens
@@ -98,9 +100,12 @@ class PoolScheduler:
         self.hit_cache = BlockHitCache(lc.ttl_s, lc.max_entries) if lc.enabled and self.can_load else None
         self._reqs: dict[str, _Request] = {}
         self.compaction = CompactionPlans()  # compacted KV is never published (compaction.py)
-        # Whole mode loads off the step (async_loads.py); block-level failures need one
-        # KV cache group (vLLM cannot map them otherwise), so hybrid models load in the step.
-        self.async_load = cfg.async_load and not cfg.use_layerwise and self.kinds == [ATTN]
+        # Whole mode loads off the step (async_loads.py), layerwise mode hits of at least
+        # async_load_min_tokens; block-level failures need one KV cache group (vLLM cannot
+        # map them otherwise), so hybrid models load in the step.
+        self.async_load = cfg.async_load and self.kinds == [ATTN] and \
+            (not cfg.use_layerwise or cfg.async_load_min_tokens > 0)
+        self.async_min_tokens = cfg.async_load_min_tokens if cfg.use_layerwise else 0
         self._async_ready: list[str] = []  # allocated, load not yet sent to the workers
         self.commit_before_reply = cfg.commit_before_reply and kv_role == "kv_producer"
         self.counters = IntervalCounters()
@@ -146,6 +151,7 @@ class PoolScheduler:
         # (a failed load removed its objects, so the recompute republishes them).
         state.saved_chunks = start
         state.pending_load = []
+        state.load_async = False
         if not self.can_load:
             return 0, False
         if state.load_failed:  # vLLM freed what the failed load held and asks again
@@ -180,7 +186,8 @@ class PoolScheduler:
         if self.planner is not None and not self.planner.plan(hit_tokens - num_computed_tokens):
             return 0, False  # faster to compute: vLLM computes it (and its chunks stay saved)
         self.counters["hit_tokens"] += hit_tokens - num_computed_tokens
-        return hit_tokens - num_computed_tokens, self.async_load
+        state.load_async = self.async_load and hit_tokens - num_computed_tokens >= self.async_min_tokens
+        return hit_tokens - num_computed_tokens, state.load_async
 
     def request_chain(self, request) -> tuple[list[str], KeyExtras | None]:
         """The chunk chain of a request's prompt, and what else names its KV (LoRA adapter,
@@ -198,17 +205,19 @@ class PoolScheduler:
         first_block = local // self.block_size
         bpc = self.blocks_per_chunk
         rid = request.request_id
+        lossless = self.cfg.lossless or marked(request, LOSSLESS)
         for g, kind in enumerate(self.kinds):
             if kind == STATE:  # vLLM reads a hit's state from the block of its last token
                 state.pending_load.append(ChunkLoad(rid, g, state.hashes[end // self.chunk - 1],
-                                                    [groups[g][(end - 1) // self.block_size]]))
+                                                    [groups[g][(end - 1) // self.block_size]],
+                                                    lossless=lossless))
                 continue
             for c in range(local // self.chunk, -(-end // self.chunk)):
                 lo = max(c * bpc, first_block)
                 chunk_hash, n = (state.hashes[c], bpc) if c < state.pool_hit else state.tail_hit
                 state.pending_load.append(ChunkLoad(rid, g, chunk_hash, groups[g][lo:c * bpc + n],
-                                                    skip=lo - c * bpc, object_blocks=n))
-        if self.async_load:  # the request now waits in WAITING_FOR_REMOTE_KVS
+                                                    skip=lo - c * bpc, object_blocks=n, lossless=lossless))
+        if state.load_async:  # the request now waits in WAITING_FOR_REMOTE_KVS
             self._async_ready.append(rid)
 
     # -- per step -------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 
 from ascend_store.backends import Status
 from ascend_store.common.transfer import (
+    FLAG_LOSSY,
     HEADER_RECORD,
     CorruptObject,
     check_headers,
@@ -106,6 +107,9 @@ def _admit(ctx: WorkerContext, job, arena: torch.Tensor, st: GroupStep, status: 
                              limit[i:i + 1, k], lambda _: f"{st.keys[k]} layer {fmt.layers[i]}")[0]
         for j in st.entries[st.obj == k].tolist():
             reject(ctx, job, j, CorruptObject(why))
+    lossy = ((headers["flags"] & FLAG_LOSSY) != 0).any(axis=0) & ~bad_obj
+    if lossy.any():
+        _refuse_lossy(ctx, job, st, lossy)
     good = np.fromiter((j not in job.failed for j in st.entries.tolist()), dtype=bool,
                        count=len(st.entries))
     entries, obj = st.entries[good], st.obj[good]
@@ -116,6 +120,19 @@ def _admit(ctx: WorkerContext, job, arena: torch.Tensor, st: GroupStep, status: 
     ctx.counters["loaded_objects"] += len(used)
     ctx.counters["loaded_bytes"] += moved * int(fmt.per_block.sum())
     return Admitted(st, entries, obj, parts, part_sizes, headers, CopyPlanner(pages))
+
+
+def _refuse_lossy(ctx: WorkerContext, job, st: GroupStep, lossy: np.ndarray) -> None:
+    """Loads that asked for lossless KV fail where their object came back from a lossy tier
+    form: their chunks are recomputed, and the object stays for readers that take it."""
+    wants = np.fromiter((job.loads[j].lossless for j in st.entries.tolist()), dtype=bool,
+                        count=len(st.entries))
+    refused = st.entries[wants & lossy[st.obj]].tolist()
+    if refused and not ctx.counters["load_lossy_refused"]:
+        log.warning("KV pool objects from a lossy tier (INT8 on the disk tier) refused for requests "
+                    "that ask for lossless KV; those chunks are recomputed")
+    ctx.counters["load_lossy_refused"] += len(refused)
+    job.failed.update(refused)
 
 
 def reject(ctx: WorkerContext, job, j: int, exc: CorruptObject) -> None:

@@ -11,8 +11,11 @@ it started is cancelled: it stops before its next write and all its blocks count
 failed, but its requests are reported only once its thread has let go of their blocks,
 since vLLM may give them to another request right after.
 
-On an accelerator (the batched copy path) a job is queued on the load stream and
-checked in the same call, as in whole mode: correct, but not off the step.
+On an accelerator (the batched copy path) the load thread leases, plans and queues every
+copy of a job on the load stream at once; ``finished`` polls the copies' events and
+reports the job's requests only once all have run, so no call on the step's thread waits
+on the device (the checksums are then compared from sums already computed). Layerwise
+engines load hits of at least ``async_load_min_tokens`` this way, shorter ones in the step.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class AsyncLoads:
         done: set[str] = set()
         keep = []
         for p in self._pending:
-            if p.job.future is not None and not p.job.future.done():
+            if not self.loader.landed(p.job):
                 if not p.job.cancelled and time.monotonic() - p.started > self.ctx.cfg.load_timeout_s:
                     self.loader.abandon(p.job, f"not loaded within {self.ctx.cfg.load_timeout_s}s")
                 keep.append(p)

@@ -141,6 +141,14 @@ class Loader:
             job.compute = self.ctx.device_path.dev.current()
         return job.compute
 
+    def landed(self, job: LoadJob) -> bool:
+        """Whether an off-step job is over without waiting: its lease and plan are done and,
+        on an accelerator, every copy it queued has run (its events, polled)."""
+        if job.future is not None and not job.future.done():
+            return False
+        dp = self.ctx.device_path
+        return dp is None or all(dp.dev.done(q.done) for q, _ in job.queued)
+
     def errors(self) -> set[int]:
         """The step's blocks whose load failed (vLLM recomputes them)."""
         job, self.job = self.job, None
@@ -234,8 +242,10 @@ class Loader:
             # Layerwise: the batches of the first ``job.window`` layers now, each later one
             # as the forward reaches the layer ``job.window`` before it (``wait``). Not once
             # the step gave the load up: its blocks may be another request's by then.
+            # An off-step load (async_loads.py) has no forward to pace it: all at once.
             with job.gate:
-                self._queue_upto(job, job.window if ctx.cfg.use_layerwise else len(ctx.order))
+                self._queue_upto(job, job.window if ctx.cfg.use_layerwise and self.in_step
+                                 else len(ctx.order))
         except host_loads.GivenUp:
             pass  # every block of it is failed already
         except Exception as exc:

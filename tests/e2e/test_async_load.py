@@ -54,3 +54,19 @@ def test_whole_mode_hits_load_off_the_step_and_failures_recompute(tmp_path, mode
         **kv["kv_connector_extra_config"], "async_load": False}})
     assert sync["worker"].get("async_load_requests", 0) == 0 and sync["worker"]["loaded_objects"] > 0
     assert_same_outputs(sync["rounds"][0], baseline)
+
+
+@pytest.mark.parametrize("copy_path", ["batched", "per_block"])
+def test_layerwise_long_hits_load_off_the_step(tmp_path, model, baseline, pool, copy_path):
+    """Layerwise with ``async_load_min_tokens: 100``: the two hits of 128 and 159 tokens wait in
+    WAITING_FOR_REMOTE_KVS and load on the off-step loader (the batched path queues every copy
+    at once and is polled; its device ops run on CPU here), the 96-token hit loads in the step."""
+    kv = kv_config(pool.socket, local={"start": "never"}, copy_path=copy_path)
+    run_engine(tmp_path, model, [prompts()], kv)  # computes and saves
+    extra = {**kv["kv_connector_extra_config"], "async_load_min_tokens": 100}
+    r = run_engine(tmp_path, model, [prompts()], {**kv, "kv_connector_extra_config": extra})
+    assert r["copy_path"] == copy_path
+    assert [o["num_cached_tokens"] for o in r["rounds"][0]] == [96, 128, 159]
+    w = r["worker"]
+    assert w["async_load_requests"] == 2 and w.get("failed_blocks", 0) == 0, w
+    assert_same_outputs(r["rounds"][0], baseline)

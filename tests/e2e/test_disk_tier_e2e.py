@@ -111,3 +111,47 @@ def _disk_keys(directory: str) -> list[str]:
         return [k for k, _ in tier.keys()]
     finally:
         tier.close()
+
+
+def test_one_pool_serves_raw_from_memory_and_int8_from_disk(tmp_path, model):
+    """One engine and the pool it starts (``local.disk_codec: int8``): prompts the memory tier
+    still holds load raw, byte for byte (the tokens and logprobs of computing them); prompts
+    spilled to disk were stored as INT8 and load within the int8 codec's accuracy bar; a
+    request that asks for lossless KV refuses those and recomputes them exactly."""
+    prompts = _prompts()
+    socket = str(tmp_path / "pool" / "pool.sock")
+    kv = kv_config(socket, local={"capacity": "1MiB", "disk_path": str(tmp_path / "disk"),
+                                  "disk_codec": "int8", "idle_exit_s": 30})
+    # Rounds 0-9 compute and save every prompt (2.5 MiB: most of it spills to disk); then
+    # 10: the last prompt again (still in memory), 11-13: the first three (on disk, INT8),
+    # 14: the fourth, asking for lossless KV.
+    rounds = [[p] for p in prompts] + [[prompts[-1]], [prompts[0]], [prompts[1]], [prompts[2]], [prompts[3]]]
+    r = run_engine(tmp_path, model, rounds, kv, round_extra_args=[None] * 14 + [{"kv_lossless": True}])
+    st = _Pool(socket, "").stats()  # the engine's pool stays up for idle_exit_s
+    out, per = r["rounds"], r["per_round"]
+    full = BLOCKS * BLOCK
+    assert [o[0]["num_cached_tokens"] for o in out[:N_PROMPTS]] == [0] * N_PROMPTS
+    assert st["disk"]["codec"] == "int8" and st["disk"]["int8_writes"] == st["disk"]["writes"] >= 20, st
+    ratio = st["disk"]["file_bytes_written"] / st["disk"]["object_bytes_written"]
+    assert 0.25 < ratio < 0.3, ratio  # fp32 pages: 1 byte a value plus an fp16 scale per 32
+
+    # From memory: raw, exactly the computed tokens and logprobs.
+    assert out[10][0]["num_cached_tokens"] == full
+    assert_same_outputs(out[10], out[N_PROMPTS - 1])
+
+    # From disk: INT8, within the int8 codec's bar (tests/e2e/test_codecs_e2e.py).
+    got, want = [out[i][0] for i in (11, 12, 13)], [out[i][0] for i in (0, 1, 2)]
+    assert [g["num_cached_tokens"] for g in got] == [full] * 3
+    assert sum(per[i]["worker"].get("load_lossy_refused", 0) for i in (11, 12, 13)) == 0
+    tokens = sum(len(w["token_ids"]) for w in want)
+    same = sum(x == y for g, w in zip(got, want) for x, y in zip(g["token_ids"], w["token_ids"]))
+    lp = [abs(g["logprobs"][0] - w["logprobs"][0]) for g, w in zip(got, want)]
+    print(f"\nINT8 from the disk tier: {same}/{tokens} greedy tokens as computed, first-token "
+          f"|logprob diff| {max(lp):.4f}, disk bytes {ratio:.3f} of the objects'")
+    assert all(g["token_ids"][0] == w["token_ids"][0] for g, w in zip(got, want))
+    assert same >= 0.75 * tokens
+    assert max(lp) > 1e-6  # INT8 values came back, not the raw ones
+
+    # Lossless asked: the lossy objects are refused, the prompt is recomputed exactly.
+    assert per[14]["worker"]["load_lossy_refused"] == BLOCKS
+    assert_same_outputs(out[14], out[3])

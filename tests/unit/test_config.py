@@ -255,6 +255,18 @@ def test_disk_tier_keys():
         StoreConfig.parse({"local": {"disk_path": "/d", "disk_capacity": "lots"}})
     with pytest.raises(ConfigError, match=r"local\.disk_path"):
         StoreConfig.parse({"local": {"disk_path": 5}})
+    assert StoreConfig.parse({"local": {"disk_path": "/d", "disk_codec": "int8"}}).local.disk_codec == "int8"
+    assert StoreConfig.parse(None).local.disk_codec == "raw"
+    with pytest.raises(ConfigError, match=r"local\.disk_codec: got 'int4', accepted values: raw, int8"):
+        StoreConfig.parse({"local": {"disk_path": "/d", "disk_codec": "int4"}})
+    with pytest.raises(ConfigError, match=r"local\.disk_codec: applies to a disk tier"):
+        StoreConfig.parse({"local": {"disk_codec": "int8"}})
+
+
+def test_lossless_key():
+    assert StoreConfig.parse({"lossless": True}).lossless and not StoreConfig.parse(None).lossless
+    with pytest.raises(ConfigError, match="lossless"):
+        StoreConfig.parse({"lossless": "yes"})
 
 
 @pytest.mark.parametrize("extra", [{}, {"use_layerwise": True}, {"use_layerwise": False}])

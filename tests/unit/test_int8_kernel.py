@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from ascend_store.common.checksum import word_sums
 from ascend_store.common.codecs import get_codec
 from ascend_store.common.transfer import HEADER_BYTES, LayerLayout
 from ascend_store.device import int8_path, kernels
@@ -52,7 +51,7 @@ def compare(device: str, dtype: torch.dtype) -> None:
         for (s0, size), n, skip, blocks in zip(zip(starts, sizes), (3, 2), (1, 0), ([5, 6], [10, 11])):
             int8.decode(host, staging[s0 + HEADER_BYTES:s0 + size], n, skip, blocks)
         assert torch.equal(want, host.tensor), name
-        ref = torch.stack([word_sums(staging[s0 + HEADER_BYTES:s0 + size].view(1, -1))[0]
+        ref = torch.stack([int8_path.word_sums(staging[s0 + HEADER_BYTES:s0 + size].view(1, -1))[0]
                            for s0, size in zip(starts, sizes)])
         assert torch.equal(want_sums, ref), name
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -211,3 +212,32 @@ def test_the_hand_over_goes_to_the_one_worker_of_its_engine(pool):
     assert handed == ["step 1"]
     second.shutdown()
     third.shutdown()
+
+
+def test_an_off_step_load_on_the_batched_path_is_reported_once_its_copies_have_run(pool, monkeypatch):
+    """Layerwise, an off-step load (async_load_min_tokens) queues all its copies at once and
+    ``get_finished`` only polls their events: while one has not run, the request is not
+    reported (nothing on the step's thread waits for the device); once all have, it is, with
+    the blocks loaded. The events' state is set from here (on CPU every copy has run)."""
+    worker, caches, src, dst, chunks = _worker_with_two_saved_chunks(pool, async_load_min_tokens=1)
+    for cache in caches.values():
+        cache[:, dst] = 0
+    ran = threading.Event()
+    dev = worker.ctx.device_path.dev
+    polled = []
+    monkeypatch.setattr(dev, "done", lambda event: polled.append(event) or ran.is_set())
+    step = StepMetadata(async_loads=[ChunkLoad("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(dst))])
+    worker.handle_preemptions(step)
+    worker.start_load_kv(step)
+    job = worker.async_loads._pending[0].job
+    job.future.result(timeout=30)  # leased, planned and every copy queued
+    assert job.next == len(job.todo) and job.queued
+    for _ in range(3):  # steps go on; the request waits
+        assert worker.get_finished() == (None, None)
+    assert polled
+    ran.set()
+    assert worker.get_finished() == (None, {"r"})
+    assert worker.get_block_ids_with_load_errors() == set()
+    for name, cache in caches.items():
+        assert torch.equal(cache[:, dst], cache[:, src]), name
+    worker.shutdown()

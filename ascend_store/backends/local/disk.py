@@ -5,7 +5,11 @@ Objects the memory tier evicts are written here (``put``: straight from the aren
 the arena, then checked). Tiers are exclusive: a promoted object's file is removed, so an
 object lives in exactly one tier and each tier's capacity counts it once.
 
-A file is ``[header][key][payload]``; the header holds the payload length and its CRC32.
+A file is ``[header][key][payload]``; the header holds the payload length and its CRC32,
+and its magic says the payload's form: the object's bytes, or with ``codec="int8"`` the
+INT8 form of an object of attention pages (spill_int8.py: about a quarter of fp32 pages, half
+of 16-bit ones), decoded back to the object's size on promotion. Either form is read
+whatever the pool's current setting.
 A file is written under a temporary name and renamed, so a crash leaves either the whole
 file or a ``.tmp`` that the next start removes. At start the directory is scanned (the
 index is the directory: nothing else to keep consistent): files whose header or length is
@@ -27,10 +31,13 @@ import struct
 import zlib
 from collections import OrderedDict
 
+from ascend_store.backends.local import spill_int8
 from ascend_store.common.keys import KEY_RE
 
 log = logging.getLogger("ascend_store.pool")
-MAGIC = b"ASDISK01"
+MAGIC = b"ASDISK01"  # the payload is the object
+MAGIC_INT8 = b"ASDISKQ8"  # the payload is the object's INT8 form
+CODECS = ("raw", "int8")
 _HDR = struct.Struct("<8sQII")  # magic, payload bytes, crc32, key bytes
 SUFFIX, TMP = ".obj", ".tmp"
 
@@ -44,14 +51,19 @@ def file_name(key: str) -> str:
 
 
 class DiskTier:
-    def __init__(self, directory: str, capacity: int):
+    def __init__(self, directory: str, capacity: int, codec: str = "raw"):
+        if codec not in CODECS:
+            raise DiskError(f"disk tier codec {codec!r}: choose one of {', '.join(CODECS)}")
         self.directory = os.path.abspath(directory)
         self.capacity = capacity
+        self.codec = codec
         self._open_dir()
-        self._files: OrderedDict[str, int] = OrderedDict()  # key -> payload bytes, oldest first
+        # key -> (object bytes, file bytes), oldest first
+        self._files: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self.used = 0  # bytes of files on disk (headers included)
         self.counters = {"writes": 0, "reads": 0, "evictions": 0, "corrupt": 0, "write_errors": 0,
-                         "dropped_at_start": 0}
+                         "dropped_at_start": 0, "int8_writes": 0, "object_bytes_written": 0,
+                         "file_bytes_written": 0}
         self._scan()
 
     def _open_dir(self) -> None:
@@ -80,15 +92,15 @@ class DiskTier:
             if not entry.name.endswith(SUFFIX):
                 continue
             st = entry.stat(follow_symlinks=False)
-            key, size = _read_header(entry.path)
+            key, stored, size = _read_header(entry.path)
             if key is None or file_name(key) != entry.name \
-                    or st.st_size != _HDR.size + len(key.encode()) + size:
+                    or st.st_size != _HDR.size + len(key.encode()) + stored:
                 self.counters["dropped_at_start"] += 1
                 os.unlink(entry.path)
                 continue
             found.append((st.st_mtime_ns, key, size, st.st_size))
         for _, key, size, total in sorted(found):
-            self._files[key] = size
+            self._files[key] = (size, total)
             self.used += total
         if found or self.counters["dropped_at_start"]:
             log.info("disk tier %s: %d objects (%d bytes) kept, %d bad files removed", self.directory,
@@ -101,14 +113,17 @@ class DiskTier:
         return key in self._files
 
     def size(self, key: str) -> int:
-        return self._files[key]
+        """The object's own bytes (what a promotion reserves in memory)."""
+        return self._files[key][0]
 
     def keys(self, prefix: str = "") -> list[tuple[str, int]]:
-        return [(k, n) for k, n in self._files.items() if k.startswith(prefix)]
+        return [(k, n) for k, (n, _) in self._files.items() if k.startswith(prefix)]
 
-    def put(self, key: str, payload: memoryview) -> tuple[bool, list[str]]:
-        """Store ``payload`` under ``key``: (stored, keys evicted from disk to make room)."""
+    def put(self, key: str, obj: memoryview) -> tuple[bool, list[str]]:
+        """Store the object ``obj`` under ``key``: (stored, keys evicted from disk to make room)."""
         kb = key.encode()
+        form = spill_int8.encode(obj) if self.codec == "int8" else None
+        magic, payload = (MAGIC, obj) if form is None else (MAGIC_INT8, form)
         total = _HDR.size + len(kb) + len(payload)
         if total > self.capacity:
             return False, []
@@ -123,7 +138,7 @@ class DiskTier:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                head = _HDR.pack(MAGIC, len(payload), zlib.crc32(payload), len(kb)) + kb
+                head = _HDR.pack(magic, len(payload), zlib.crc32(payload), len(kb)) + kb
                 if os.writev(fd, [head, payload]) != total:
                     raise OSError(0, "short write")
             finally:
@@ -136,26 +151,35 @@ class DiskTier:
                             self.directory, exc.strerror)
             _unlink(tmp)
             return False, evicted
-        self._files[key] = len(payload)
+        self._files[key] = (len(obj), total)
         self.used += total
         self.counters["writes"] += 1
+        self.counters["int8_writes"] += form is not None
+        self.counters["object_bytes_written"] += len(obj)
+        self.counters["file_bytes_written"] += len(payload)
         return True, evicted
 
     def read_into(self, key: str, dest: memoryview) -> bool:
-        """Read ``key``'s payload into ``dest`` (its exact size); False (and the file removed)
-        when the file is short, corrupt or gone."""
+        """Read ``key``'s object into ``dest`` (its exact size), decoding an INT8 form; False
+        (and the file removed) when the file is short, corrupt or gone."""
         kb = key.encode()
+        stored = self._files[key][1] - _HDR.size - len(kb)
         try:
             fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 head = os.pread(fd, _HDR.size, 0)
-                got = os.preadv(fd, [dest], _HDR.size + len(kb))
+                magic = head[:len(MAGIC)]
+                buf = dest if magic == MAGIC else bytearray(stored)
+                got = os.preadv(fd, [buf], _HDR.size + len(kb))
             finally:
                 os.close(fd)
-            ok = len(head) == _HDR.size and got == len(dest)
+            ok = len(head) == _HDR.size and got == len(buf) == stored
             if ok:
-                magic, size, crc, klen = _HDR.unpack(head)
-                ok = magic == MAGIC and size == len(dest) and klen == len(kb) and zlib.crc32(dest) == crc
+                _, size, crc, klen = _HDR.unpack(head)
+                ok = size == stored and klen == len(kb) and zlib.crc32(buf) == crc
+            if ok and magic == MAGIC_INT8:
+                ok = spill_int8.decode(buf, dest)
+            ok = ok and magic in (MAGIC, MAGIC_INT8)
         except OSError:
             ok = False
         if not ok:
@@ -169,31 +193,37 @@ class DiskTier:
             self._drop(key)
 
     def _drop(self, key: str) -> None:
-        size = self._files.pop(key)
-        self.used -= _HDR.size + len(key.encode()) + size
+        self.used -= self._files.pop(key)[1]
         _unlink(self._path(key))
 
     def stats(self) -> dict:
-        return {"path": self.directory, "capacity": self.capacity, "used_bytes": self.used,
-                "objects": len(self._files), **self.counters}
+        return {"path": self.directory, "capacity": self.capacity, "codec": self.codec,
+                "used_bytes": self.used, "objects": len(self._files), **self.counters}
 
     def close(self) -> None:
         os.close(self._lock)
 
 
-def _read_header(path: str) -> tuple[str | None, int]:
+def _read_header(path: str) -> tuple[str | None, int, int]:
+    """A file's key, payload bytes and object bytes; key None for a file that is not ours."""
     try:
         with open(path, "rb") as f:
             head = f.read(_HDR.size)
             if len(head) != _HDR.size:
-                return None, 0
-            magic, size, _, klen = _HDR.unpack(head)
-            if magic != MAGIC or klen > 256:
-                return None, 0
+                return None, 0, 0
+            magic, stored, _, klen = _HDR.unpack(head)
+            if magic not in (MAGIC, MAGIC_INT8) or klen > 256:
+                return None, 0, 0
             key = f.read(klen).decode("ascii", errors="replace")
+            size = stored
+            if magic == MAGIC_INT8:
+                form = f.read(spill_int8.HEAD_BYTES)
+                if len(form) != spill_int8.HEAD_BYTES:
+                    return None, 0, 0
+                size = spill_int8.object_size(form)
     except OSError:
-        return None, 0
-    return (key, size) if KEY_RE.fullmatch(key) else (None, 0)
+        return None, 0, 0
+    return (key, stored, size) if KEY_RE.fullmatch(key) else (None, 0, 0)
 
 
 def _unlink(path: str) -> None:

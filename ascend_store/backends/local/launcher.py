@@ -104,7 +104,8 @@ def _start(cfg) -> int | None:
            "--capacity", str(cfg.capacity), "--lease-ttl", str(cfg.lease_ttl_s),
            "--idle-exit", str(cfg.idle_exit_s)]
     if cfg.disk_path:
-        cmd += ["--disk-path", cfg.disk_path, "--disk-capacity", str(cfg.disk_capacity)]
+        cmd += ["--disk-path", cfg.disk_path, "--disk-capacity", str(cfg.disk_capacity),
+                "--disk-codec", cfg.disk_codec]
     # The pool must not hold the engine's stdout/stderr open (a supervisor reading them
     # would wait for the pool): it logs beside its socket instead.
     log_path = cfg.socket + ".log"

@@ -86,9 +86,12 @@ class LocalPoolConfig:
     # directory (None: no disk tier), up to ``disk_capacity`` bytes.
     disk_path: str | None = None
     disk_capacity: int = 64 * 2**30
+    # How the disk tier stores attention pages: "raw" (as they are) or "int8" (lossy, a
+    # quarter of fp32 pages: spill_int8.py).
+    disk_codec: str = "raw"
 
     KEYS = ("socket", "capacity", "start", "lease_ttl_s", "idle_exit_s", "trusted_uid", "disk_path",
-            "disk_capacity")
+            "disk_capacity", "disk_codec")
 
     def __post_init__(self):
         if self.capacity <= 0:
@@ -111,7 +114,10 @@ class LocalPoolConfig:
                   idle_exit_s=r.positive("idle_exit_s", 10.0),
                   trusted_uid=r.take("trusted_uid", None, int),
                   disk_path=os.path.abspath(disk_path) if disk_path else None,
-                  disk_capacity=disk_capacity)
+                  disk_capacity=disk_capacity,
+                  disk_codec=r.choice("disk_codec", "raw", ("raw", "int8")))
+        if cfg.disk_codec != "raw" and not cfg.disk_path:
+            raise ConfigError("local.disk_codec: applies to a disk tier; give local.disk_path too")
         if cfg.trusted_uid is not None and cfg.trusted_uid < 0:
             raise ConfigError(f"local.trusted_uid: must be a uid >= 0, got {cfg.trusted_uid}")
         r.finish(cls.KEYS)

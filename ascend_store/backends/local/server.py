@@ -47,7 +47,7 @@ def _arena_dir(socket_path: str, capacity: int) -> str:
 class PoolServer:
     def __init__(self, socket_path: str, capacity: int, lease_ttl_s: float = 30.0,
                  parent_pid: int | None = None, disk_path: str | None = None, disk_capacity: int = 0,
-                 idle_exit_s: float | None = None):
+                 idle_exit_s: float | None = None, disk_codec: str = "raw"):
         self.socket_path = os.path.abspath(socket_path)
         self.capacity = capacity
         self.parent_pid = parent_pid
@@ -67,7 +67,7 @@ class PoolServer:
         try:
             if disk_path:  # the server itself copies only between the arena and the disk tier
                 view = memoryview(mmap.mmap(self._arena_fd, capacity))
-                self.index = TieredIndex(capacity, view, DiskTier(disk_path, disk_capacity),
+                self.index = TieredIndex(capacity, view, DiskTier(disk_path, disk_capacity, disk_codec),
                                          lease_ttl_s=lease_ttl_s, alive=self.clients.alive)
             else:
                 self.index = PoolIndex(capacity, lease_ttl_s=lease_ttl_s, alive=self.clients.alive)
@@ -230,7 +230,7 @@ def _rss_bytes() -> int:
 
 def serve(socket_path: str, capacity: int, lease_ttl_s: float = 30.0,
           parent_pid: int | None = None, disk_path: str | None = None, disk_capacity: int = 0,
-          idle_exit_s: float | None = None) -> None:
+          idle_exit_s: float | None = None, disk_codec: str = "raw") -> None:
     """Run a pool until a signal, its parent's death or ``idle_exit_s`` without clients; a
     pool that cannot start logs why (the launcher shows that line in the engine's log) and
     exits with status 2."""
@@ -242,7 +242,8 @@ def serve(socket_path: str, capacity: int, lease_ttl_s: float = 30.0,
         signal.signal(sig, interrupted)
     try:
         server = PoolServer(socket_path, capacity, lease_ttl_s=lease_ttl_s, parent_pid=parent_pid,
-                            disk_path=disk_path, disk_capacity=disk_capacity, idle_exit_s=idle_exit_s)
+                            disk_path=disk_path, disk_capacity=disk_capacity, idle_exit_s=idle_exit_s,
+                            disk_codec=disk_codec)
     except (arena.ArenaError, trust.UntrustedPool, DiskError) as exc:
         log.error("pool not started: %s", exc)
         raise SystemExit(2) from None
