@@ -15,6 +15,13 @@ layer's loaded bytes), per step:
   layered   the copies, then the graph captured with one wait per layer
   control   the copies, then the graph without waits and no wait before it: it must read
             stale bytes in some layers, or this probe could not see a missing wait
+  layered, upload after    as layered, with a small host-to-device copy on the compute stream
+            between the copies and the graph (vLLM uploads a step's inputs before its graph
+            runs): copies of one direction share the copy engines' queues whatever their
+            streams, so if the upload waits behind the layers' copies the graph cannot start
+            before the last layer has landed
+  layered, upload first    the upload queued before the copies (a load that starts after the
+            step's inputs are uploaded)
 
 Each step writes a new marker at both ends of every layer's host bytes; a layer's compute
 reads them back, so "stale" counts layers whose forward read the previous step's bytes.
@@ -116,9 +123,23 @@ def main() -> None:
         copies()
         plain.replay()
 
+    inputs = torch.zeros(64 << 10, dtype=torch.int32, pin_memory=True)  # ~ a step's input tensors
+    inputs_dev = torch.zeros_like(inputs, device="cuda")
+
+    def upload_after() -> None:
+        copies()
+        inputs_dev.copy_(inputs, non_blocking=True)
+        waiting.replay()
+
+    def upload_first() -> None:
+        inputs_dev.copy_(inputs, non_blocking=True)
+        copies()
+        waiting.replay()
+
     got: dict = {"resolution": resolution()}
     cases = {"load": copies, "forward": plain.replay, "serial": serial, "layered": layered,
-             "control": control}
+             "control": control, "layered, upload after": upload_after,
+             "layered, upload first": upload_first}
     for name, run in cases.items():
         times, stale = [], []
         for rep in range(args.reps + 1):  # the first is a warm-up
@@ -140,7 +161,7 @@ def main() -> None:
     print(f"  a graph's wait node waits for the event's record as of the graph's {got['resolution']}")
     for name in cases:
         r = got[name]
-        print(f"  {name:<8} {r['ms']:7.2f} ms   stale layers per step: {r['stale_layers'] or '-'}")
+        print(f"  {name:<22} {r['ms']:7.2f} ms   stale layers per step: {r['stale_layers'] or '-'}")
     hidden = got["serial"]["ms"] - got["layered"]["ms"]
     print(f"  layered saves {hidden:.2f} ms of the forward's {got['forward']['ms']:.2f} ms")
     if args.json:

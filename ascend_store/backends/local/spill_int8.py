@@ -3,9 +3,10 @@ from memory are stored at a quarter (fp32) or half (bf16, fp16) of their bytes, 
 back, on promotion, as raw pages close to the ones written.
 
 The pool sees bytes, not caches, so the form needs no page layout: each layer part's
-payload is cut into groups of ``GROUP`` consecutive values (a head's channels of one token
-in every layout vLLM uses: 32 divides the head sizes), each group stored as INT8 with one
-fp16 scale (its largest magnitude / 127). An object qualifies when every layer part is a
+payload is cut into groups of ``GROUP`` consecutive values (in every layout vLLM uses, a
+head's channels of one token are consecutive, so a group stays inside one head where 32
+divides the head size, as 64 and 128 do), each group stored as INT8 with one fp16 scale
+(its largest magnitude / 127). An object qualifies when every layer part is a
 raw attention part of one float type and one size (header.py's ``elem``), its values are
 finite and its groups whole; anything else (int8 or zstd objects, recurrent state, fp8
 caches, tuple caches) is stored byte for byte.
@@ -13,8 +14,8 @@ caches, tuple caches) is stored byte for byte.
 Promotion rebuilds each part's header as written, with ``FLAG_LOSSY`` set and the word
 checksum of the decoded payload, so readers check it like any object and readers that
 asked for lossless KV refuse it. Quantizing a decoded object again gives the same INT8
-values (each group's largest value is its scale times 127), so a promoted object spilled
-again loses nothing more.
+values (each group's largest value is its scale times 127; tests/unit/test_spill_int8.py),
+so a promoted object spilled again loses nothing more.
 
 Stored form: ``[_HEAD][part headers][INT8 values][fp16 scales]``.
 """
