@@ -12,9 +12,10 @@ failed, but its requests are reported only once its thread has let go of their b
 since vLLM may give them to another request right after.
 
 On an accelerator (the batched copy path) the load thread leases, plans and queues every
-copy of a job on the load stream at once; ``finished`` polls the copies' events and
-reports the job's requests only once all have run, so no call on the step's thread waits
-on the device (the checksums are then compared from sums already computed). Layerwise
+copy of a job on the load stream at once, then waits for them and compares their
+checksums itself (the sums come back on a stream of their own, not behind later loads);
+``finished`` reports the job's requests once that is done and the copies' events say they
+ran, so no call on the step's thread waits on the device. Layerwise
 engines load hits of at least ``async_load_min_tokens`` this way, shorter ones in the step.
 """
 
