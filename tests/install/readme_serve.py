@@ -102,8 +102,16 @@ def main() -> None:
             out = json.loads(_get(f"{url}/v1/completions", body))
             if not out["choices"][0]["text"]:
                 fail(f"empty completion: {out}")
-            metrics = _get(f"{url}/metrics").decode()
-            saved = _metric(metrics, "vllm:ascend_store_saved_objects_total")
+            # Connector stats travel with the engine's steps: a save that commits after the
+            # request's last step (a busy machine) is counted in the next step's, which a
+            # one-token request makes.
+            for _ in range(5):
+                metrics = _get(f"{url}/metrics").decode()
+                saved = _metric(metrics, "vllm:ascend_store_saved_objects_total")
+                if saved >= 1:
+                    break
+                time.sleep(0.5)
+                _get(f"{url}/v1/completions", {"model": model, "prompt": "pool", "max_tokens": 1})
             capacity = _metric(metrics, "vllm:ascend_store_pool_capacity_bytes")
             if saved < 1:
                 fail("the connector saved nothing to the pool")
