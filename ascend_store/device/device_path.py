@@ -83,7 +83,7 @@ class DevicePath(DeviceSaves):
         self.stage_stream = self.dev.stream()  # loads' DMAs, ahead of the load stream's kernels
         self.save_stream = self.dev.stream()  # saves' DMAs, behind the gather stream's kernels
         self.gather_stream = self.dev.stream()
-        self.check_stream = self.dev.stream()  # off-step loads' checksums come back here
+        self.check_stream = self.dev.stream()  # loads' checksums come back here
         self._ring: list[list] = [[None, None], [None, None]]  # staging buffer, event of its last reader
         self._next = 0
         # Planning and queueing share the staging ring and its turn (``_next``): an
@@ -273,21 +273,22 @@ class DevicePath(DeviceSaves):
                     bl.slot[1] = done  # the buffer's next DMA waits for this kernel
                 return QueuedLoad(bl.layers, done, bl.sums, bl.sums_at)
 
-    def check_loads(self, qs: list[QueuedLoad], verify: bool, stream=None) -> list[list[list[int]]]:
+    def check_loads(self, qs: list[QueuedLoad], verify: bool) -> list[list[list[int]]]:
         """Wait for a step's queued loads; per load, per layer, the indexes of objects whose
         word checksum does not match their header. Their blocks must be reported as failed
         loads (vLLM then recomputes them and drops the step's output for their requests), so
         a bad object costs a recompute, never a wrong token. The step's sums come back in
-        one copy and are folded and compared in one numpy pass, on the load stream unless
-        ``stream`` (an off-step load's check: its copy must not queue behind later loads)."""
+        one copy and are folded and compared in one numpy pass. The copy runs on a stream of
+        its own once the loads' events have passed: on the load stream it would wait for
+        every load queued after them (an off-step load's), on the compute stream for the
+        forward."""
         for q in qs:
             if q.done is not None:
                 q.done.synchronize()
         out = [[[] for _ in q.layers] for q in qs]
         if not verify or not qs:
             return out
-        # On the compute stream the copy would wait for the forward.
-        with self.dev.use(stream or self.load_stream):
+        with self.dev.use(self.check_stream):
             steps = {id(q.sums_at[0]): q.sums_at[0] for q in qs}
             host = {k: host_array(t) for k, t in steps.items()}
         spans = [(host[id(t)], at, q.sums.numel() // 2) for q in qs for t, at in [q.sums_at]]

@@ -249,7 +249,7 @@ class Loader:
                                  else len(ctx.order))
             if not self.in_step:  # off the step: wait for the copies and check them here,
                 # on the load thread, where waiting holds up no step
-                self._check_device_load(job, self.ctx.device_path.check_stream)
+                self._check_device_load(job)
         except host_loads.GivenUp:
             pass  # every block of it is failed already
         except Exception as exc:
@@ -278,14 +278,14 @@ class Loader:
             self._load_failed(job, exc)
         self.ctx.counters["load_seconds"] += time.perf_counter() - t0
 
-    def _check_device_load(self, job: LoadJob, stream=None) -> None:
+    def _check_device_load(self, job: LoadJob) -> None:
         """Wait for the queued copies and compare their checksums (once per job); then
         release the leases off the step's path (the copies no longer read the arena)."""
         if job.checked:
             return
         job.checked = True
         queued = [q for q, _ in job.queued]
-        checked = self.ctx.device_path.check_loads(queued, self.ctx.cfg.verify_checksum, stream)
+        checked = self.ctx.device_path.check_loads(queued, self.ctx.cfg.verify_checksum)
         for (q, adm), per_layer in zip(job.queued, checked):
             for objs, bad in zip(q.layers, per_layer):
                 for e in bad:
