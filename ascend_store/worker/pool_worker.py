@@ -213,7 +213,7 @@ class PoolWorker:
         self.saver.drain()
         # vLLM queues the hybrid state copy after this call and before start_load_kv.
         self._step_loads = bool(meta is not None and getattr(meta, "loads", None))
-        if isinstance(meta, StepMetadata) and self.starts_early(meta):
+        if isinstance(meta, StepMetadata) and self.starts_early():
             # vLLM's runner calls this first in the step, then prepares its inputs (6 ms
             # at 32K tokens): the step's loads start now, so the link runs meanwhile.
             self._begin(meta)
@@ -223,7 +223,7 @@ class PoolWorker:
         where loads start early they start here, before vLLM's runner prepares its inputs
         (8 ms at 32K tokens; the V2 runner calls every worker hook after that). The last
         step's saves drain first, as at any step's start."""
-        if (meta.loads or meta.async_loads) and self.starts_early(meta):
+        if (meta.loads or meta.async_loads) and self.starts_early():
             if self.step_timer is not None:
                 self.step_timer.begin(meta)
             self.saver.drain()
@@ -247,21 +247,15 @@ class PoolWorker:
         without loads, so no state set there may steer that step's saves."""
         return self.cfg.use_layerwise and not getattr(meta, "full_graph", False)
 
-    def starts_early(self, meta: StepMetadata | None = None) -> bool:
+    def starts_early(self) -> bool:
         """Loads start in ``handle_preemptions`` only where a copy engine moves them beside
         the host's work, and only when vLLM does not zero the step's new blocks after that
         hook (the load stream follows the compute stream's work queued when the load
         starts: from ``start_load_kv`` that includes the zeroing). The host path's copies
         would take the same cores (and the GIL) from the runner's input preparation, and
-        would race a hybrid model's state copy that vLLM queues in between. A step whose
-        full graph waits for each layer starts at ``start_load_kv``, after vLLM queued its
-        input uploads: copies of one direction share the copy engines' queues, so uploads
-        behind the whole load would hold the graph back until its last layer landed
-        (benchmarks/graph_waits.py, "upload after")."""
+        would race a hybrid model's state copy that vLLM queues in between."""
         dp = self.ctx.device_path
-        gw = self.graph_waits
-        in_graph = gw is not None and gw.armed and getattr(meta, "full_graph", False)
-        return dp is not None and dp.dev.is_accelerator and not self.zeroes_new_blocks and not in_graph
+        return dp is not None and dp.dev.is_accelerator and not self.zeroes_new_blocks
 
     def _begin(self, meta: StepMetadata):
         """Start the step's loads once (from whichever hook comes first); the job or None."""

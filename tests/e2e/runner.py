@@ -177,7 +177,7 @@ def main(job_path: str) -> None:
     if job.get("start_early"):
         from ascend_store.worker.pool_worker import PoolWorker
 
-        PoolWorker.starts_early = lambda self, meta=None: True
+        PoolWorker.starts_early = lambda self: True
     if job.get("full_graphs"):
         from vllm.config import CUDAGraphMode
 

@@ -39,7 +39,7 @@ def test_a_long_step_queues_each_batch_from_the_wait_before_it(pool, monkeypatch
     monkeypatch.setattr(device_path, "BATCH_BYTES", 1)  # every layer a batch of its own
     # On CPU the loads start in start_load_kv; where a copy engine runs (forced here, as
     # on an accelerator) they start in handle_preemptions, and only once a step.
-    monkeypatch.setattr(PoolWorker, "starts_early", lambda self, meta=None: early)
+    monkeypatch.setattr(PoolWorker, "starts_early", lambda self: early)
     worker, caches, src, dst, chunks = _worker_with_two_saved_chunks(pool)
 
     load = StepMetadata(loads=[ChunkLoad("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(dst))],
@@ -92,7 +92,7 @@ def test_a_layerwise_load_the_forward_never_waited_for_is_recomputed(pool, monke
     # A full CUDA/ACL graph's replay runs the forward without the per-layer hooks (a vLLM
     # that ignores requires_piecewise_for_cudagraph): its tokens read blocks before they
     # landed, so every block of the step's loads is reported and vLLM recomputes them.
-    monkeypatch.setattr(PoolWorker, "starts_early", lambda self, meta=None: early)
+    monkeypatch.setattr(PoolWorker, "starts_early", lambda self: early)
     worker, caches, src, dst, chunks = _worker_with_two_saved_chunks(pool)
     load = StepMetadata(loads=[ChunkLoad("r", 0, f"{c:032x}", b) for c, b in enumerate(chunks(dst))],
                         new_tokens=1)
@@ -118,7 +118,7 @@ def test_a_full_graph_step_loads_before_the_forward_and_saves_after_it(pool, mon
     # it, whose replay calls no per-layer hook): its loads have landed, or are awaited by
     # the forward's stream, when start_load_kv returns, and its saves are queued after the
     # forward by wait_for_save. Unmarked, the same calls lose both (the test above).
-    monkeypatch.setattr(PoolWorker, "starts_early", lambda self, meta=None: early)
+    monkeypatch.setattr(PoolWorker, "starts_early", lambda self: early)
     worker, caches, src, dst, chunks = _worker_with_two_saved_chunks(pool)
     for cache in caches.values():
         cache[:, dst] = 0
@@ -149,7 +149,7 @@ def test_loads_start_when_the_scheduler_hands_the_step_over(pool, monkeypatch):
     # Where a copy engine runs, the scheduler of the same process hands each step over as
     # it builds it (connector.py): the last step's saves drain and the loads start then,
     # before vLLM's runner prepares its inputs; its hooks later start nothing again.
-    monkeypatch.setattr(PoolWorker, "starts_early", lambda self, meta=None: True)
+    monkeypatch.setattr(PoolWorker, "starts_early", lambda self: True)
     worker, caches, src, dst, chunks = _worker_with_two_saved_chunks(pool)
     save = StepMetadata(saves=[ChunkSave("s", 0, f"{9:032x}", src[:CHUNK_BLOCKS])])
     for name in worker.order:
