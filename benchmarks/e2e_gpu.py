@@ -633,7 +633,10 @@ def main() -> None:
             proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
                                   capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            got = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-3000:]}
+            # The root cause of an engine's death is often far above the tail of its traceback.
+            causes = [ln for ln in proc.stderr.splitlines() if re.search(r"Error|Exception|error:", ln)]
+            got = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-3000:],
+                                                           "causes": causes[:40]}
             # The engine's own log (which copy path the connector took, warnings).
             got["log"] = [ln for ln in proc.stderr.splitlines() if "ascend" in ln.lower()][-40:]
         except subprocess.TimeoutExpired as exc:
@@ -642,6 +645,7 @@ def main() -> None:
         results["runs"][f"{geometry}/{name}" + (f"@{tag}" if tag else "")] = got
         if "error" in got:
             print(f"{geometry:>3} {name:<22} FAILED: {got['error'][-1500:]}", flush=True)
+            print("    error lines:\n      " + "\n      ".join(got.get("causes", [])), flush=True)
         else:
             cells = " ".join(f"{n // 1024}K {got[str(n)]['ttft_ms']:7.1f} ms "
                              f"(hit {got[str(n)]['cached'][0]})" for n in args.tokens)
