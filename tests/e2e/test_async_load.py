@@ -56,11 +56,12 @@ def test_whole_mode_hits_load_off_the_step_and_failures_recompute(tmp_path, mode
     assert_same_outputs(sync["rounds"][0], baseline)
 
 
-@pytest.mark.parametrize("copy_path", ["batched", "per_block"])
-def test_layerwise_long_hits_load_off_the_step(tmp_path, model, baseline, pool, copy_path):
+def test_layerwise_long_hits_load_off_the_step(tmp_path, model, baseline, pool):
     """Layerwise with ``async_load_min_tokens: 100``: the two hits of 128 and 159 tokens wait in
-    WAITING_FOR_REMOTE_KVS and load on the off-step loader (the batched path queues every copy
-    at once and is polled; its device ops run on CPU here), the 96-token hit loads in the step."""
+    WAITING_FOR_REMOTE_KVS and load on the off-step loader, the 96-token hit loads in the step.
+    On the batched path (its device ops on CPU here), which queues every copy of an off-step
+    load at once and is polled; the host path's off-step loads are the test above's."""
+    copy_path = "batched"
     kv = kv_config(pool.socket, local={"start": "never"}, copy_path=copy_path)
     run_engine(tmp_path, model, [prompts()], kv)  # computes and saves
     extra = {**kv["kv_connector_extra_config"], "async_load_min_tokens": 100}
