@@ -16,6 +16,7 @@ import os
 import sys
 from dataclasses import asdict
 
+from ascend_store.backends.local.pool_config import DISK_CODECS
 from ascend_store.common.config import ConfigError, StoreConfig, default_socket_path
 from ascend_store.ops.pool_commands import gc, query_pool, serve
 from ascend_store.ops.user_error import EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UserError
@@ -114,7 +115,7 @@ def _parser() -> _Parser:
                        "survive a restart (default: no disk tier)")
     serve.add_argument("--disk-capacity", default="64GiB", metavar="SIZE",
                        help="how much the disk tier may hold, like 500GiB")
-    serve.add_argument("--disk-codec", default="raw", choices=("raw", "int8"),
+    serve.add_argument("--disk-codec", default="raw", choices=DISK_CODECS,
                        help="how the disk tier stores attention pages: as they are, or as INT8 with "
                        "a scale per 32 values (a quarter of fp32, half of bf16; lossy: engines that "
                        "ask for lossless KV refuse what comes back; docs/codecs.md)")

@@ -32,12 +32,12 @@ import zlib
 from collections import OrderedDict
 
 from ascend_store.backends.local import spill_int8
+from ascend_store.backends.local.pool_config import DISK_CODECS
 from ascend_store.common.keys import KEY_RE
 
 log = logging.getLogger("ascend_store.pool")
 MAGIC = b"ASDISK01"  # the payload is the object
 MAGIC_INT8 = b"ASDISKQ8"  # the payload is the object's INT8 form
-CODECS = ("raw", "int8")
 _HDR = struct.Struct("<8sQII")  # magic, payload bytes, crc32, key bytes
 SUFFIX, TMP = ".obj", ".tmp"
 
@@ -52,8 +52,8 @@ def file_name(key: str) -> str:
 
 class DiskTier:
     def __init__(self, directory: str, capacity: int, codec: str = "raw"):
-        if codec not in CODECS:
-            raise DiskError(f"disk tier codec {codec!r}: choose one of {', '.join(CODECS)}")
+        if codec not in DISK_CODECS:
+            raise DiskError(f"disk tier codec {codec!r}: choose one of {', '.join(DISK_CODECS)}")
         self.directory = os.path.abspath(directory)
         self.capacity = capacity
         self.codec = codec

@@ -18,6 +18,8 @@ from ascend_store.backends.local.arena import SHM
 # The default capacity's share of the room: vLLM's own memory (the KV cache on CPU, the
 # weights as they load) and other engines on the host need the rest.
 AUTO_SHARE = 0.25
+# How the disk tier may store attention pages (disk.py, spill_int8.py).
+DISK_CODECS = ("raw", "int8")
 MIB, GIB = 2**20, 2**30
 
 
@@ -115,7 +117,7 @@ class LocalPoolConfig:
                   trusted_uid=r.take("trusted_uid", None, int),
                   disk_path=os.path.abspath(disk_path) if disk_path else None,
                   disk_capacity=disk_capacity,
-                  disk_codec=r.choice("disk_codec", "raw", ("raw", "int8")))
+                  disk_codec=r.choice("disk_codec", "raw", DISK_CODECS))
         if cfg.disk_codec != "raw" and not cfg.disk_path:
             raise ConfigError("local.disk_codec: applies to a disk tier; give local.disk_path too")
         if cfg.trusted_uid is not None and cfg.trusted_uid < 0:
