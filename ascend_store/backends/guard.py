@@ -18,10 +18,10 @@ log = logging.getLogger("ascend_store")
 
 _PASSTHROUGH = ("buffer", "exists", "reserve", "commit", "abort", "lease", "release", "remove",
                 "stats", "events", "lease_slots", "reserve_slots")
-# Calls whose success shows the service answered: a staged store's abort and release only
-# free its own staging, and a call with no keys returns before asking anyone.
-_ASKS = {"buffer", "exists", "reserve", "commit", "lease", "remove", "stats", "events", "lease_slots",
-         "reserve_slots"}
+# Calls whose success shows the service answered, on every backend: a staged store answers
+# buffer and events from its own process and its abort and release only free its own
+# staging, and a call with no keys returns before asking anyone.
+_ASKS = {"exists", "reserve", "commit", "lease", "remove", "stats", "lease_slots", "reserve_slots"}
 DIRECTION = {"exists": "lookup", "events": "lookup", "lease": "load", "lease_slots": "load",
              "release": "load", "remove": "load", "reserve": "save", "reserve_slots": "save",
              "commit": "save", "abort": "save"}
@@ -31,6 +31,7 @@ class GuardedBackend:
     # Services known to be down in this process: the scheduler's and the worker's backends
     # of one engine share an outage, and it gets one warning, not one per client.
     _down: set[str] = set()
+    _down_lock = threading.Lock()  # the clients of one engine fail on their own threads
 
     def __init__(self, inner: Backend, service: str, first_backoff_s: float = 0.5,
                  max_backoff_s: float = 5.0):
@@ -61,9 +62,10 @@ class GuardedBackend:
             try:
                 out = fn(*args, **kwargs)
             except BackendUnavailable as exc:
-                with self._lock:
+                with GuardedBackend._down_lock:
                     first = self.service not in GuardedBackend._down
                     GuardedBackend._down.add(self.service)
+                with self._lock:
                     self.failures += 1
                     self._backoff = min(self._max, self._backoff * 2 or self._first)
                     self._open_until = time.monotonic() + self._backoff
@@ -75,8 +77,10 @@ class GuardedBackend:
             answered = name in _ASKS and not (args and isinstance(args[0], list) and not args[0])
             if self._backoff and answered:
                 self._backoff = 0.0
-                if self.service in GuardedBackend._down:
+                with GuardedBackend._down_lock:
+                    back = self.service in GuardedBackend._down
                     GuardedBackend._down.discard(self.service)
+                if back:
                     log.warning("KV pool %s reachable again", self.service)
             return out
 

@@ -239,3 +239,27 @@ def test_mooncake_helper_dies_with_its_owner_and_comes_back_when_killed(tmp_path
         svc.stop_fn()
 
 
+
+
+def test_an_outage_is_warned_once_even_between_local_calls(service_down, caplog):
+    """A staged store answers ``buffer`` and ``events`` from its own process: between two
+    failed calls they must not count as the service coming back (which ended the outage
+    and warned a second time)."""
+    from ascend_store.backends.guard import GuardedBackend
+
+    svc = service_down
+    svc.stop_fn()
+    guard = GuardedBackend(svc.backend(timeout_s=TIMEOUT_S), f"{svc.kind} once",
+                           first_backoff_s=0.1, max_backoff_s=0.1)
+    try:
+        with caplog.at_level("DEBUG", logger="ascend_store"):
+            for _ in range(3):
+                with pytest.raises(BackendUnavailable):
+                    guard.exists(["k"])
+                time.sleep(0.25)  # past the backoff: the next call is tried
+                guard.buffer()
+                guard.events(0)
+        said = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert [r.getMessage().count("recompute until it is back") for r in said] == [1]
+    finally:
+        guard.close()
