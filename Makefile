@@ -59,7 +59,7 @@ demo: $(VENV)/.demo
 # Mooncake and memcache client runs in a helper process of its own (backends/helper.py).
 STUB := tests/backends/ascend_stub
 test: setup
-	ASCEND_STORE_WHEELS=$(ASCEND_WHEELS) $(PY) -m pytest -q -rs -p no:cacheprovider tests \
+	ASCEND_STORE_WHEELS=$(ASCEND_WHEELS) $(PY) -m pytest -q -rs -p no:cacheprovider --durations=20 tests \
 	  --ignore=tests/e2e/test_mooncake_e2e.py --ignore=tests/e2e/test_memcache_e2e.py
 	@echo "Second pass: the Mooncake and memcache tests (skipped above) run in a sandbox: a private network"
 	@echo "namespace with only loopback (their servers and clients bind every interface of the host) and,"
