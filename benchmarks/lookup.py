@@ -102,7 +102,7 @@ def main() -> None:
         for enabled in (False, True):
             cfg = replace(base, lookup_cache=LookupCacheConfig(enabled=enabled))
             sched = PoolScheduler(vllm_config, kv_cache_config, cfg, "kv_both")
-            before = client.stats()["key_queries"].get("exists", 0)
+            before = client.stats()["key_queries"].get("tiers", 0)
             rpcs0 = sched.backend.rpcs
             dt = wall = 0.0  # on the scheduler's thread; until answered
             ok = True
@@ -123,7 +123,7 @@ def main() -> None:
                     dt += time.perf_counter() - t0
                     time.sleep(0.0002)  # the rest of an engine step
                 wall += time.perf_counter() - t_step
-            asked = client.stats()["key_queries"].get("exists", 0) - before
+            asked = client.stats()["key_queries"].get("tiers", 0) - before
             n = args.steps
             rows[enabled] = dt / n
             print(f"{'on' if enabled else 'off':<14}{dt / n * 1e3:>10.2f}"

@@ -30,6 +30,13 @@ class Status(enum.IntEnum):
     BUSY = 5  # remove: the object is leased by a reader
 
 
+# Where an object is, as ``Backend.tiers`` answers: the load planner prices each tier apart.
+TIER_NONE = 0  # not stored
+TIER_MEMORY = 1  # the backend's memory (Mooncake's and memcache's whole store)
+TIER_DISK = 2  # the embedded pool's disk tier
+TIERS = 2
+
+
 class BackendUnavailable(RuntimeError):
     """The service did not answer within the timeout, or is not running."""
 
@@ -94,6 +101,10 @@ class Backend(ABC):
 
     @abstractmethod
     def exists(self, keys: list[str]) -> list[bool]: ...
+
+    def tiers(self, keys: list[str]) -> list[int]:
+        """Per key: TIER_NONE, or the tier that holds it (``exists`` for a store of one tier)."""
+        return [TIER_MEMORY if f else TIER_NONE for f in self.exists(keys)]
 
     @abstractmethod
     def reserve(self, keys: list[str], sizes: list[int]) -> list[Slot]: ...

@@ -16,15 +16,15 @@ from ascend_store.backends.base import Backend, BackendUnavailable
 
 log = logging.getLogger("ascend_store")
 
-_PASSTHROUGH = ("buffer", "exists", "reserve", "commit", "abort", "lease", "release", "remove",
+_PASSTHROUGH = ("buffer", "exists", "tiers", "reserve", "commit", "abort", "lease", "release", "remove",
                 "stats", "events", "lease_slots", "reserve_slots")
 # Calls whose success shows the service answered, on every backend: a staged store answers
 # buffer and events from its own process and its abort and release only free its own
 # staging, and a call with no keys returns before asking anyone.
-_ASKS = {"exists", "reserve", "commit", "lease", "remove", "stats", "lease_slots", "reserve_slots"}
-DIRECTION = {"exists": "lookup", "events": "lookup", "lease": "load", "lease_slots": "load",
-             "release": "load", "remove": "load", "reserve": "save", "reserve_slots": "save",
-             "commit": "save", "abort": "save"}
+_ASKS = {"exists", "tiers", "reserve", "commit", "lease", "remove", "stats", "lease_slots", "reserve_slots"}
+DIRECTION = {"exists": "lookup", "tiers": "lookup", "events": "lookup", "lease": "load",
+             "lease_slots": "load", "release": "load", "remove": "load", "reserve": "save",
+             "reserve_slots": "save", "commit": "save", "abort": "save"}
 
 
 class GuardedBackend:

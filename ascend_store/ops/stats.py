@@ -70,7 +70,8 @@ COUNTERS = {
     "selftest_layers": "layer parts the KV layout self-test round-tripped at start",
     "selftest_failed": "KV layout self-tests that failed (that worker's pool is off)",
     "loads_planned": "pool hits the load planner loaded (load_planner)",
-    "recomputes_planned": "pool hits the load planner recomputed: loading them was estimated slower",
+    "recomputes_planned": "pool hits the load planner recomputed (all or a part): loading was slower",
+    "partial_loads_planned": "pool hits the load planner loaded a prefix of and recomputed the rest",
     "load_tokens_planned": "tokens of the hits the load planner loaded",
     "recompute_tokens_planned": "tokens of the hits the load planner recomputed",
 }
@@ -82,7 +83,8 @@ GAUGES = {"max_rpcs_per_step": "most pool calls in one worker step",
           "pool_used_bytes": "pool bytes in use", "pool_capacity_bytes": "pool capacity",
           "pool_evictions": "objects the pool evicted since it started",
           "planner_compute_us_per_token": "the load planner's compute time per prefill token (us)",
-          "planner_load_us_per_token": "the load planner's load time per pool token (us)",
+          "planner_load_us_per_token": "the load planner's load time per pool token in memory (us)",
+          "planner_disk_load_us_per_token": "the load planner's load time per token on the pool's disk (us)",
           "planner_load_call_us": "the load planner's load time per loading step, beyond its tokens' (us)"}
 SECONDS = {"load_seconds": "time in load jobs", "save_seconds": "time in save copies",
            "lookup_seconds": "time in lookups", "selftest_seconds": "time in the KV layout self-test"}

@@ -1,8 +1,8 @@
 """Scheduler-side cache of pool lookups, per (namespace, group, chain hash).
 
 Under prefix-sharing load many requests ask about the same chunks within seconds. The
-cache remembers each chunk's answer (every layer and shard present: hit; otherwise
-miss) for ``ttl_s``, bounded to ``max_entries`` (oldest dropped first). It is invalidated
+cache remembers each chunk's answer (every layer and shard present: hit, as the tier that
+holds it; otherwise miss) for ``ttl_s``, bounded to ``max_entries`` (oldest dropped first). It is invalidated
 - per chunk when we plan to save it (a cached miss must not hide the new object) and
   when a worker reports it missing or corrupt on load;
 - every cached miss once the pool reports a commit after it (``Generation.added``): another
@@ -14,7 +14,8 @@ miss) for ``ttl_s``, bounded to ``max_entries`` (oldest dropped first). It is in
   that cannot name them, or a cache that lagged too far);
 - entirely when the pool restarts (its epoch changes).
 A stale hit can still happen between a deletion and the next reply; it ends in the
-worker's load-error path and vLLM recomputes, so it costs time, never tokens.
+worker's load-error path and vLLM recomputes, so it costs time, never tokens. A hit's tier
+goes stale as the pool moves objects between tiers; that only misprices a load.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ class BlockHitCache:
         self.max_entries = max_entries
         self._clock = clock
         # key -> (hit, expiry, object_digest of the key for hits / the pool's commit count for misses)
-        self._entries: OrderedDict[str, tuple[bool, float, int]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[int, float, int]] = OrderedDict()
         self._hits_by_digest: dict[int, set[str]] = {}  # cached hits by their objects' digest
         self._generation: tuple[str, int] | None = None
         self._added: int | None = None  # the pool's commit count, as last seen
         self.counters = {"cache_hits": 0, "cache_misses": 0, "invalidations": 0}
 
-    def get(self, key: str) -> bool | None:
+    def get(self, key: str) -> int | None:
+        """The cached answer: None (not cached), a falsy miss, or the hit's tier."""
         entry = self._entries.get(key)
         if entry is None or entry[1] <= self._clock() or (not entry[0] and entry[2] != (self._added or 0)):
             if entry is not None:
@@ -49,7 +51,7 @@ class BlockHitCache:
         self.counters["cache_hits"] += 1
         return entry[0]
 
-    def put(self, key: str, hit: bool) -> None:
+    def put(self, key: str, hit: int) -> None:
         self._pop(key)
         digest = object_digest(key) if hit else (self._added or 0)
         self._entries[key] = (hit, self._clock() + self.ttl_s, digest)
@@ -57,6 +59,13 @@ class BlockHitCache:
             self._hits_by_digest.setdefault(digest, set()).add(key)
         while len(self._entries) > self.max_entries:
             self._pop(next(iter(self._entries)))
+
+    def promote(self, keys, tier: int = 1) -> None:
+        """Cached hits are now in ``tier`` (a lease brought them into the pool's memory)."""
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0]:
+                self._entries[key] = (tier, *entry[1:])
 
     def invalidate(self, keys) -> None:
         for key in keys:

@@ -27,6 +27,10 @@ each of their ends; and the prompt's partial last chunk cut after 1, 2, ... bloc
 objects) at the two places a hit usually ends: at ``start`` (nothing more in the pool) and
 after the last full chunk (all of it). A hit ending anywhere else asks its tails in a
 second round, a step later.
+
+An answer is the tier that holds an entry's objects (``Backend.tiers``: 0 for a miss, the
+slowest of them when a chunk has several), kept in the hit cache as it is, so the load
+planner can price each chunk of a hit; ``promoted`` marks what a load brings into memory.
 """
 
 from __future__ import annotations
@@ -53,9 +57,9 @@ class Ask:
     start: int
     entries: list[tuple[str, str, tuple[int, ...]]]
     asked_at: float
-    answer: dict[str, bool] | None = None
+    answer: dict[str, int] | None = None  # entry -> its tier (0: a miss)
     failed: bool = False
-    reply: dict[str, bool] | None = None
+    reply: dict[str, int] | None = None
     reply_failed: bool = False
 
 
@@ -63,6 +67,7 @@ class Ask:
 class Hit:
     chunks: int  # leading chunks the pool serves (from 0)
     tail: tuple[str, int] | None = None  # (partial hash, blocks) served past them
+    tiers: tuple[int, ...] = ()  # the tier of each chunk from the request's start, then the tail's
 
 
 @dataclass
@@ -70,7 +75,7 @@ class LookupState:
     """What one request's lookup carries from step to step."""
 
     ask: Ask | None = None
-    answers: dict[str, bool] = field(default_factory=dict)
+    answers: dict[str, int] = field(default_factory=dict)
 
 
 class PoolLookups:
@@ -89,6 +94,7 @@ class PoolLookups:
         self.events = events  # kv_events.KVEventFeed: fetched on the same thread, once per step
         self._batch: list[Ask] = []  # asked this step
         self._sent: list[Ask] = []  # answered or in flight, not yet folded into the cache
+        self._promoted: set[str] = set()  # entries loaded since the last fold (now in memory)
         self._work = threading.Condition()
         self._queued: list[Ask] | None = None  # handed to the thread, not yet taken
         self._busy_since: float | None = None  # when the thread's current call started
@@ -132,7 +138,7 @@ class PoolLookups:
         self._batch.append(st.ask)
         return None
 
-    def _known(self, st: LookupState, entry: str) -> bool | None:
+    def _known(self, st: LookupState, entry: str) -> int | None:
         if entry in st.answers:
             return st.answers[entry]
         return self.cache.get(entry) if self.cache is not None else None
@@ -143,7 +149,7 @@ class PoolLookups:
         prefix = start
         for c in range(start, n):  # chunks, and their state, up to the first known miss
             known = self._known(st, hashes[c])
-            if known is False:
+            if known == 0:
                 break
             if known is None:
                 todo.append((hashes[c], hashes[c], self.attn))
@@ -162,12 +168,30 @@ class PoolLookups:
         if self.state:
             prefix = next((c + 1 for c in range(prefix - 1, start - 1, -1)
                            if self._known(st, STATE_TAG + hashes[c])), start)
-            return Hit(max(prefix, start)), []
+            prefix = max(prefix, start)
+            return Hit(prefix, tiers=self._tiers(st, hashes, start, prefix, STATE_TAG)), []
         best = None  # the longest tail the pool holds
         for k, h in enumerate(tails(prefix), 1):
             if self._known(st, TAIL_TAG + h):
                 best = (h, k)
-        return Hit(prefix, best), []
+        tiers = self._tiers(st, hashes, start, prefix, "")
+        if best is not None:
+            tiers += (self._known(st, TAIL_TAG + best[0]),)
+        return Hit(prefix, best, tiers), []
+
+    def _tiers(self, st: LookupState, hashes: list[str], start: int, end: int, state: str) -> tuple[int, ...]:
+        """The tier of chunks [start, end) (with ``state``: the slower of each chunk's KV and
+        recurrent state; a hybrid hit ends where the state was saved)."""
+        out = tuple(self._known(st, h) or 1 for h in hashes[start:end])
+        if state and end > start:
+            out = out[:-1] + (max(out[-1], self._known(st, state + hashes[end - 1]) or 1),)
+        return out
+
+    def promoted(self, entries: list[str]) -> None:
+        """Entries a load is about to lease: a lease brings an object into the pool's memory."""
+        if self.cache is not None:
+            self.cache.promote(entries)
+            self._promoted.update(entries)  # their answer may reach the cache at the next flush
 
     def available(self, now: float | None = None) -> bool:
         """Whether asking may help: the breaker is closed and the thread is not stuck."""
@@ -220,6 +244,9 @@ class PoolLookups:
             elif not ask.failed:
                 waiting.append(ask)
         self._sent = waiting
+        if self._promoted:
+            self.cache.promote(self._promoted)
+            self._promoted.clear()
 
     def forget(self, st: LookupState) -> None:
         st.ask, st.answers = None, {}
@@ -258,7 +285,7 @@ class PoolLookups:
         self.counters["lookup_rpcs"] += 1
         t0 = time.perf_counter()
         try:
-            found = self.backend.exists(list(index))
+            found = self.backend.tiers(list(index))
         except BackendUnavailable:
             self.counters["lookup_errors"] += 1
             with self._replies:
@@ -268,7 +295,13 @@ class PoolLookups:
         finally:
             self.counters["lookup_seconds"] += time.perf_counter() - t0
         it = iter(per_entry)
-        replies = [{entry: all(found[i] for i in next(it)) for entry, _, _ in ask.entries} for ask in batch]
+        replies = []
+        for ask in batch:
+            reply = {}
+            for entry, _, _ in ask.entries:
+                tiers = [found[i] for i in next(it)]
+                reply[entry] = min(tiers) and max(tiers)  # 0 when any object is missing
+            replies.append(reply)
         self._answered = True
         with self._replies:
             for ask, reply in zip(batch, replies):

@@ -24,7 +24,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ascend_store.backends import create_backend
+from ascend_store.backends.base import TIERS
 from ascend_store.common import seams
 from ascend_store.common.config import StoreConfig
 from ascend_store.common.keys import (
@@ -47,7 +50,7 @@ from ascend_store.scheduler.hit_cache import BlockHitCache
 from ascend_store.scheduler.lookups import STATE_TAG, TAIL_TAG, LookupState, PoolLookups
 from ascend_store.scheduler.marks import LOSSLESS, marked
 from ascend_store.scheduler.pd_wait import ProducerWait
-from ascend_store.scheduler.planner import LoadPlanner, StepCost
+from ascend_store.scheduler.planner import LoadPlanner, StepCost, hit_pieces
 
 log = logging.getLogger("ascend_store")
 
@@ -70,6 +73,7 @@ class _Request:
     extras: KeyExtras | None = None  # what names the request's KV besides its tokens
     compacted: bool = False  # the TriAttention plugin planned to compact its KV
     lookup: LookupState = field(default_factory=LookupState)  # its pool lookup, across steps
+    load_tiers: np.ndarray | None = None  # tokens its planned load takes from each tier (load planner)
 
 
 class PoolScheduler:
@@ -122,7 +126,8 @@ class PoolScheduler:
         # step computed and loaded, by step number, until its worker timing comes back.
         self.planner = LoadPlanner(self.counters) if cfg.load_planner and self.can_load else None
         self._step = 0
-        self._planned_steps: dict[int, tuple[int, int]] = {}
+        self._planned_steps: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        self._step_tiers = np.zeros(TIERS, dtype=np.int64)  # tokens this step loads per tier
         self.lookups = PoolLookups(self.backend, self.keyspaces, self.attn_groups, self.state_groups,
                                    self.hit_cache, self.counters, cfg.lookup_timeout_s, self.kv_events,
                                    first_deadline_s=cfg.timeout_s) \
@@ -183,11 +188,30 @@ class PoolScheduler:
         self.counters["queried_tokens"] += len(prompt)
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        if self.planner is not None and not self.planner.plan(hit_tokens - num_computed_tokens):
-            return 0, False  # faster to compute: vLLM computes it (and its chunks stay saved)
+        if self.planner is not None:
+            hit_tokens = self._plan_load(state, found.tiers, num_computed_tokens, hit_tokens)
+            if hit_tokens <= num_computed_tokens:
+                return 0, False  # faster to compute: vLLM computes it (and its chunks stay saved)
         self.counters["hit_tokens"] += hit_tokens - num_computed_tokens
         state.load_async = self.async_load and hit_tokens - num_computed_tokens >= self.async_min_tokens
         return hit_tokens - num_computed_tokens, state.load_async
+
+    def _plan_load(self, state: _Request, tiers: tuple[int, ...], computed: int, end: int) -> int:
+        """Where the load of the hit [computed, end) ends: the prefix the load planner says
+        pays. A cut hit ends on a chunk boundary; the chunks after it stay in the pool."""
+        tiers = np.asarray(tiers, dtype=np.int64)
+        tokens = hit_pieces(computed, self.chunk, len(tiers), end)
+        take = self.planner.plan(tokens, tiers, partial=not self.state_groups)
+        loaded = np.cumsum(tokens) <= take
+        by_tier = np.bincount(tiers[loaded], tokens[loaded], minlength=TIERS + 1)
+        state.load_tiers = by_tier[1:].astype(np.int64)
+        if computed + take < end:
+            state.pool_hit, state.tail_hit = (computed + take) // self.chunk, None
+        start = computed // self.chunk
+        loaded_tail = [TAIL_TAG + state.tail_hit[0]] if state.tail_hit is not None else []
+        tags = ("", STATE_TAG) if self.state_groups else ("",)
+        self.lookups.promoted([t + h for h in state.hashes[start:state.pool_hit] for t in tags] + loaded_tail)
+        return computed + take
 
     def request_chain(self, request) -> tuple[list[str], KeyExtras | None]:
         """The chunk chain of a request's prompt, and what else names its KV (LoRA adapter,
@@ -242,8 +266,7 @@ class PoolScheduler:
             if state is None:
                 continue
             state.block_ids = [list(ids) for ids in new.block_ids]
-            meta.loads.extend(state.pending_load)
-            state.pending_load = []
+            self._start_loads(state, meta)
             self._plan_saves(new.req_id, state, new.num_computed_tokens
                              + scheduler_output.num_scheduled_tokens[new.req_id], meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -254,8 +277,7 @@ class PoolScheduler:
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 state.block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
-                meta.loads.extend(state.pending_load)
-                state.pending_load = []
+                self._start_loads(state, meta)
             elif new_blocks:
                 if not state.block_ids:
                     state.block_ids = [[] for _ in new_blocks]
@@ -265,10 +287,18 @@ class PoolScheduler:
                              + scheduler_output.num_scheduled_tokens[req_id], meta)
         if self.planner is not None:
             loaded = sum(len(ld.block_ids) for ld in meta.loads if ld.group == 0) * self.block_size
-            self._planned_steps[self._step] = (meta.new_tokens, loaded)
+            self._planned_steps[self._step] = (meta.new_tokens, loaded, tuple(self._step_tiers.tolist()))
+            self._step_tiers[:] = 0
             if len(self._planned_steps) > 4096:  # steps whose timing never came (no worker hook ran)
                 self._planned_steps.pop(next(iter(self._planned_steps)))
         return meta
+
+    def _start_loads(self, state: _Request, meta: StepMetadata) -> None:
+        meta.loads.extend(state.pending_load)
+        state.pending_load = []
+        if state.load_tiers is not None:  # what the step loads from each tier, for the planner
+            self._step_tiers += state.load_tiers
+            state.load_tiers = None
 
     def _plan_saves(self, req_id: str, state: _Request, computed_after_step: int,
                     meta: StepMetadata) -> None:
@@ -343,7 +373,8 @@ class PoolScheduler:
             for step, seconds in report.steps.items():
                 planned = self._planned_steps.pop(step, None)
                 if planned is not None:
-                    self.planner.observe(StepCost(*planned, seconds))
+                    computed, loaded, by_tier = planned
+                    self.planner.observe(StepCost(computed, loaded, seconds, by_tier))
         failed = report.failed_chunks
         if self.hit_cache is not None:
             self.hit_cache.invalidate(failed + [tag + h for tag in (STATE_TAG, TAIL_TAG) for h in failed])

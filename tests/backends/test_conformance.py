@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ascend_store.backends.base import BackendUnavailable, Status
+from ascend_store.backends.base import TIER_MEMORY, TIER_NONE, BackendUnavailable, Status
 from tests.backends.conftest import make_backend
 
 
@@ -48,6 +48,7 @@ def test_missing_keys_and_partial_batches(service):
     b = service.backend()
     _put(b, {"k/a": _data(1, 500), "k/c": _data(3, 700)})
     assert b.exists(["k/a", "k/b", "k/c"]) == [True, False, True]
+    assert b.tiers(["k/a", "k/b", "k/c"]) == [TIER_MEMORY, TIER_NONE, TIER_MEMORY]  # just stored
     slots = b.lease(["k/a", "k/b", "k/c"], [1000] * 3)
     assert [s.status for s in slots] == [Status.OK, Status.MISSING, Status.OK]
     _, view = b.buffer()

@@ -9,7 +9,8 @@ change it between rounds of one engine:
 
 KIND: error (raise), hang (wait out the timeout, then raise), latency (sleep, then
 succeed), partial (every other key MISSING), misplace (hand out another object's slot),
-short (a slot one byte short), drop (fail every call after ``after`` calls).
+short (a slot one byte short), drop (fail every call after ``after`` calls), disk_latency
+(sleep ``seconds`` for each key the pool holds on its disk tier, then succeed: a slow disk).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 import numpy as np
 
-from ascend_store.backends.base import BackendUnavailable, Slot, Slots, Status
+from ascend_store.backends.base import TIER_DISK, BackendUnavailable, Slot, Slots, Status
 from ascend_store.backends.local.client import LocalBackend
 
 
@@ -54,9 +55,11 @@ class FaultyBackend:
             raise BackendUnavailable(f"injected {op} timeout")
         if kind == "latency":
             time.sleep(spec.get("seconds", 0.1))
+        if kind == "disk_latency":
+            time.sleep(spec.get("seconds", 0.1) * self.inner.tiers(args[0]).count(TIER_DISK))
         out = getattr(self.inner, op)(*args)
-        if kind == "partial" and op == "exists":
-            out = [bool(i % 2 == 0 and f) for i, f in enumerate(out)]
+        if kind == "partial" and op in ("exists", "tiers"):
+            out = [f if i % 2 == 0 else type(f)(0) for i, f in enumerate(out)]
         elif kind == "partial":  # hide every other object (and give back its lease)
             hidden = [k for i, (k, s) in enumerate(zip(args[0], out)) if i % 2 and s.status is Status.OK]
             if op == "lease":
@@ -70,6 +73,9 @@ class FaultyBackend:
 
     def exists(self, keys):
         return self._call("exists", keys)
+
+    def tiers(self, keys):
+        return self._call("tiers", keys)
 
     def lease(self, keys, sizes=None):
         return self._call("lease", keys, sizes)

@@ -143,7 +143,7 @@ def _instrument(llm, scheduler) -> _Probe:
 
     core.step_fn = timed_step
     inner = scheduler.backend.inner
-    for op in ("exists", "events", "stats"):
+    for op in ("tiers", "events", "stats"):
         fn = getattr(inner, op)
 
         def counted(*args, _fn=fn, _op=op, **kwargs):

@@ -28,11 +28,11 @@ FAULTS = [
     ({"role": "worker", "op": "lease", "kind": "misplace"}, ("worker", "load_corrupt"), None),
     ({"role": "worker", "op": "lease", "kind": "short"}, ("worker", "load_corrupt"), None),
     ({"role": "worker", "op": "lease", "kind": "hang"}, ("worker", "load_errors"), None),
-    ({"role": "scheduler", "op": "exists", "kind": "error"}, ("scheduler", "lookup_errors"), False),
+    ({"role": "scheduler", "op": "tiers", "kind": "error"}, ("scheduler", "lookup_errors"), False),
     # A hung lookup: each request waits lookup_timeout_s for it, then misses.
-    ({"role": "scheduler", "op": "exists", "kind": "hang"}, ("scheduler", "lookup_timeouts"), False),
+    ({"role": "scheduler", "op": "tiers", "kind": "hang"}, ("scheduler", "lookup_timeouts"), False),
     # Every other chunk object reported missing: the hit ends at the first missing chunk.
-    ({"role": "scheduler", "op": "exists", "kind": "partial"}, ("scheduler", "lookup_rpcs"), True),
+    ({"role": "scheduler", "op": "tiers", "kind": "partial"}, ("scheduler", "lookup_rpcs"), True),
     ({"role": "worker", "op": "reserve", "kind": "error"}, ("worker", "save_errors"), False),
     ({"role": "worker", "op": "commit", "kind": "drop", "after": 0}, ("worker", "save_errors"), False),
 ]
@@ -60,7 +60,7 @@ def test_fault_matrix_recomputes_with_correct_tokens(tmp_path, model, pool):
                             for i in range(3)) if fault["op"] in ("reserve", "commit") else ""
             # A hung lookup ends after the round (requests do not wait for it): its failure
             # opens the breaker then, for its second backoff (1 s), which the next round waits out.
-            pause = 2.5 if last is not None and last["op"] == "exists" and last["kind"] == "hang" else 1
+            pause = 2.5 if last is not None and last["op"] == "tiers" and last["kind"] == "hang" else 1
             between.append(f"{clear}echo '{json.dumps(fault)}' > {fault_file} && sleep {pause}")
             last = fault
         # Clean: once the breaker's backoff (at most 5 s) has passed, save again, then hit.

@@ -42,8 +42,8 @@ def test_a_frozen_pool_never_stalls_a_step_and_lookups_batch_per_step(tmp_path, 
                    between=[None, f"kill -STOP {pid}", f"kill -CONT {pid} && sleep 6"])
     _, before, frozen, after = r["per_round"]
     # Eight requests arriving in one step: one lookup call answers all of them.
-    assert before["pool_calls"].get("exists", 0) == 1, before["pool_calls"]
-    assert after["pool_calls"].get("exists", 0) == 1, after["pool_calls"]
+    assert before["pool_calls"].get("tiers", 0) == 1, before["pool_calls"]
+    assert after["pool_calls"].get("tiers", 0) == 1, after["pool_calls"]
     assert r["scheduler"]["max_lookup_rpcs_per_step"] == 1
     # Frozen: every step as fast as before plus at most the lookup deadline, all tokens right.
     bound = max(before["step_seconds"]) + DEADLINE_S + SLACK_S

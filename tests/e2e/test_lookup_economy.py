@@ -37,11 +37,11 @@ def test_forty_requests_one_query_per_key_and_cache_invalidation(tmp_path, model
     # each distinct key once (9 shared chunks + 40 own chunks, one object each); all miss.
     distinct = (shared_chunks + 40 * own_chunks) * OBJECTS_PER_CHUNK
     assert all(o["num_cached_tokens"] == 0 for o in first)
-    assert s0["key_queries"]["exists"] == distinct
+    assert s0["key_queries"]["tiers"] == distinct
     # Round 2: the saves invalidated those misses, so every request hits the pool, and each
     # distinct key was asked once again.
     assert all(o["num_cached_tokens"] == 10 * BLOCK for o in second)
-    assert s1["key_queries"]["exists"] - s0["key_queries"]["exists"] == distinct
+    assert s1["key_queries"]["tiers"] - s0["key_queries"]["tiers"] == distinct
     assert r["scheduler"]["max_lookup_rpcs_per_step"] == 1
     # The worker leased each distinct object once in that step, with no key repeated in a call.
     assert s1["key_queries"]["lease"] - s0["key_queries"].get("lease", 0) == distinct

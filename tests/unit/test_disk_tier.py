@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ascend_store.backends.base import Status
+from ascend_store.backends.base import TIER_DISK, TIER_MEMORY, TIER_NONE, Status
 from ascend_store.backends.local.disk import SUFFIX, file_name
 from tests.unit.test_local_pool import Pool, _get, _pattern, _put
 
@@ -61,6 +61,18 @@ def test_evicted_objects_go_to_disk_and_come_back(disk_pool):
     # Tiers are exclusive: every object is in exactly one of them.
     assert st["objects"] + st["disk"]["objects"] == 30
     assert len({k for k, _, _, _ in c.list("ns/")}) == 30
+    c.close()
+
+
+def test_tiers_says_where_each_object_is_and_a_lease_brings_it_to_memory(disk_pool):
+    c = disk_pool().client()
+    _fill(c, 30)
+    tiers = c.tiers([_key(i) for i in range(30)] + [_key(99)])
+    assert tiers[-1] == TIER_NONE and set(tiers[:-1]) == {TIER_MEMORY, TIER_DISK}
+    assert tiers[0] == TIER_DISK and tiers[29] == TIER_MEMORY  # the oldest went to disk
+    assert c.stats()["disk"]["objects"] == tiers.count(TIER_DISK)
+    assert _get(c, _key(0)) == _pattern(0, OBJ)
+    assert c.tiers([_key(0)]) == [TIER_MEMORY]
     c.close()
 
 

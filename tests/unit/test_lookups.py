@@ -74,8 +74,8 @@ def test_requests_asked_together_are_answered_in_the_same_step(pool, monkeypatch
     """The reply lands while the scheduler is between two requests of a step: neither sees
     it before the next step, so the two load in one step (a shared prefix leased once)."""
     client = pool.client()
-    gate, real = threading.Event(), client.exists
-    monkeypatch.setattr(client, "exists", lambda keys: (gate.wait(5), real(keys))[1])
+    gate, real = threading.Event(), client.tiers
+    monkeypatch.setattr(client, "tiers", lambda keys: (gate.wait(5), real(keys))[1])
     guard = GuardedBackend(client, "test pool")
     lk = _lookups(guard, deadline_s=5.0)
     chains = [[f"{r:030x}{j:02x}" for j in range(2)] for r in range(2)]
@@ -101,8 +101,8 @@ def test_until_the_pool_first_answers_requests_wait_for_its_set_up(pool, monkeyp
     """A store client still connecting when the engine's first requests come: they wait up
     to ``first_deadline_s`` (and hit); once the pool has answered, ``deadline_s`` holds."""
     client = pool.client()
-    real = client.exists
-    monkeypatch.setattr(client, "exists", lambda keys: (time.sleep(0.5), real(keys))[1])
+    real = client.tiers
+    monkeypatch.setattr(client, "tiers", lambda keys: (time.sleep(0.5), real(keys))[1])
     guard = GuardedBackend(client, "test pool")
     lk = PoolLookups(guard, [KS], [0], [], None, IntervalCounters(), 0.2, first_deadline_s=5.0)
     chains = [[f"{r:030x}{j:02x}" for j in range(2)] for r in range(2)]
@@ -130,7 +130,7 @@ def test_a_partial_hit_asks_its_tails_in_a_second_round(pool):
         time.sleep(0.01)
     assert (hit.chunks, hit.tail) == (2, (tails[2][1], 2))
     assert guard.calls["lookup"] == 2  # chunks (and tails at 0 and 4), then the tails at 2
-    assert lk.cache.get(TAIL_TAG + tails[2][0]) is False
+    assert lk.cache.get(TAIL_TAG + tails[2][0]) == 0
     lk.close()
     guard.close()
 

@@ -68,3 +68,44 @@ def test_a_tier_whose_cost_is_per_call_loads_large_hits_and_recomputes_small_one
     assert p.plan(500) == 0  # 0.6 s against 0.5
     p.report()
     assert p.counters.total["planner_load_call_us"] > 5e5
+
+
+def test_each_tier_has_its_price_and_a_hit_loads_the_prefix_that_pays():
+    """Memory loads at 0.1 ms a token, the disk tier at 5 ms, computing costs 1 ms: a hit
+    whose first two chunks are in memory and the rest on disk loads the two and computes the
+    rest; all on disk it is recomputed; all in memory it loads."""
+    p = _planner(alpha=1.0)
+    p.observe(StepCost(1000, 0, 1.0))  # compute: 1 ms a token
+    p.observe(StepCost(0, 1000, 0.1, by_tier=(1000, 0)))  # memory: 0.1 ms a token
+    p.observe(StepCost(0, 500, 2.5, by_tier=(0, 500)))  # disk: 5 ms a token
+    assert round(p.rates[0] * 1e4, 6) == 1 and round(p.rates[1] * 1e3, 6) == 5
+    chunks = [256] * 4
+    assert p.plan(chunks, [1, 1, 2, 2]) == 512
+    assert p.plan(chunks, [2, 2, 2, 2]) == 0
+    assert p.plan(chunks, [1, 1, 1, 1]) == 1024
+    assert p.plan(chunks, [1, 2, 1, 1]) == 256  # only a prefix can load: the disk chunk ends it
+    assert p.plan(chunks, [1, 1, 2, 2], partial=False) == 0  # a hybrid hit: all or nothing
+    t = p.counters.total
+    assert (t["loads_planned"], t["partial_loads_planned"], t["recomputes_planned"]) == (3, 2, 4)
+    assert (t["load_tokens_planned"], t["recompute_tokens_planned"]) == (1792, 3328)
+    p.report()
+    assert round(p.counters.total["planner_disk_load_us_per_token"]) == 5000
+
+
+def test_a_tier_never_loaded_from_is_measured_before_it_is_cut():
+    p = _planner(alpha=1.0)
+    p.observe(StepCost(1000, 0, 1.0))
+    p.observe(StepCost(0, 1000, 3.0))  # memory is slow: 3 ms a token
+    assert p.plan([256, 256], [1, 1]) == 0
+    assert p.plan([256, 256], [1, 2]) == 512  # the disk's price is not known: load and measure
+    p.observe(StepCost(0, 512, 0.8, by_tier=(256, 256)))  # 0.768 s of memory, so ~0.13 ms on disk
+    assert p.rates[1] < 1e-3 and p.plan([256, 256], [2, 2]) == 512
+
+
+def test_steps_mixing_tiers_give_each_tier_its_price():
+    p = _planner(alpha=1.0)
+    p.observe(StepCost(1000, 0, 1.0))
+    for mem, disk in ((1000, 0), (250, 250), (200, 800), (100, 50)):
+        p.observe(StepCost(0, mem + disk, 0.05 + mem * 1e-4 + disk * 2e-3, by_tier=(mem, disk)))
+    assert abs(p.load_call_s - 0.05) < 1e-9
+    assert abs(p.rates[0] - 1e-4) < 1e-9 and abs(p.rates[1] - 2e-3) < 1e-9

@@ -179,6 +179,9 @@ class LocalBackend(Backend):
     def exists(self, keys):
         return _per_key(self._call("exists", keys=keys), "found", len(keys)) if keys else []
 
+    def tiers(self, keys):
+        return _per_key(self._call("tiers", keys=keys), "tier", len(keys)) if keys else []
+
     def reserve(self, keys, sizes):
         return self.reserve_slots(keys, sizes).to_list()
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ascend_store.backends.alloc import FreeList, aligned
-from ascend_store.backends.base import Status, object_digest
+from ascend_store.backends.base import TIER_MEMORY, TIER_NONE, Status, object_digest
 from ascend_store.backends.local.events import MEMORY, REMOVED, STORED, EventLog
 
 
@@ -107,6 +107,9 @@ class PoolIndex:
     # -- reads ----------------------------------------------------------------
     def exists(self, keys: list[str]) -> list[bool]:
         return [(o := self._objs.get(k)) is not None and o.ready for k in keys]
+
+    def tiers(self, keys: list[str]) -> list[int]:
+        return [TIER_MEMORY if f else TIER_NONE for f in self.exists(keys)]
 
     def lease(self, keys: list[str], owner: str = "") -> list[tuple[Status, int, int]]:
         now, out = self._clock(), []

@@ -23,7 +23,7 @@ from ascend_store.common.keys import KEY_RE
 MAX_MESSAGE_BYTES = 16 * 2**20
 MAX_KEYS_PER_CALL = 65536
 GONE_RING = 65536  # deleted objects the pool remembers for clients that lag
-OPS = ("hello", "exists", "reserve", "commit", "abort", "lease", "release", "remove",
+OPS = ("hello", "exists", "tiers", "reserve", "commit", "abort", "lease", "release", "remove",
        "stats", "list", "events")
 
 

@@ -191,6 +191,8 @@ class PoolServer:
             return {"arena": self.arena_path, "capacity": self.capacity, "pid": os.getpid()}
         if op == "exists":
             return {"found": ix.exists(keys)}
+        if op == "tiers":
+            return {"tier": ix.tiers(keys)}
         if op == "reserve":
             res = ix.reserve(keys, msg["sizes"], owner=msg.get("owner", ""))
             res = np.asarray(res, dtype="<i8").reshape(-1, 2)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from ascend_store.backends.base import Status
+from ascend_store.backends.base import TIER_DISK, TIER_MEMORY, TIER_NONE, Status
 from ascend_store.backends.local.disk import DiskTier
 from ascend_store.backends.local.events import DISK, REMOVED, STORED
 from ascend_store.backends.local.index import PoolIndex
@@ -62,6 +62,11 @@ class TieredIndex:
     def exists(self, keys: list[str]) -> list[bool]:
         disk = self.disk
         return [m or k in disk for k, m in zip(keys, self.mem.exists(keys))]
+
+    def tiers(self, keys: list[str]) -> list[int]:
+        disk = self.disk
+        return [TIER_MEMORY if m else TIER_DISK if k in disk else TIER_NONE
+                for k, m in zip(keys, self.mem.exists(keys))]
 
     def reserve(self, keys: list[str], sizes: list[int], owner: str = "") -> list[tuple[Status, int]]:
         on_disk = [k in self.disk for k in keys]
