@@ -259,7 +259,7 @@ class PoolScheduler:
             if state is not None:
                 meta.async_loads.extend(state.pending_load)
                 state.async_blocks = {b for ld in state.pending_load for b in ld.block_ids}
-                state.pending_load = []
+                state.pending_load, state.load_tiers = [], None  # off the step: no step timing
         self._async_ready = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
