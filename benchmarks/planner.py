@@ -101,7 +101,10 @@ def serve(socket: str, disk: str | None) -> subprocess.Popen:
 
 def engine_process(spec: dict, fault: str, what: str) -> list:
     env = {**os.environ, "ASCEND_STORE_TEST_FAULT": fault, "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, __file__, "--engine", json.dumps(spec)],
+    path = os.path.join(os.path.dirname(fault), "spec.json")  # too long for a command line
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    proc = subprocess.run([sys.executable, __file__, "--engine", path],
                           capture_output=True, text=True, env=env)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not line:
@@ -199,7 +202,8 @@ def main() -> None:
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine:
-        print("RESULT " + json.dumps(engine(json.loads(args.engine))), flush=True)
+        with open(args.engine) as f:
+            print("RESULT " + json.dumps(engine(json.load(f))), flush=True)
         return
     from tests.e2e.models import build_llama
 
