@@ -1,6 +1,7 @@
-"""The local pool's disk tier on real pool processes: spill, promote, restart, corruption, capacity.
+"""The local pool's disk tier on real pool processes: spill, promote, restart, corruption, capacity,
+and the tier the scheduler's lookups see for each chunk.
 
-About 8 s in all (each test starts one or two pool processes of a 1 MiB arena)."""
+About 15 s in all (each test starts one or two pool processes of a 1 MiB arena)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from ascend_store.backends.base import TIER_DISK, TIER_MEMORY, TIER_NONE, Status
+from ascend_store.backends.guard import GuardedBackend
 from ascend_store.backends.local.disk import SUFFIX, file_name
+from ascend_store.scheduler.lookups import LookupState
 from tests.unit.test_local_pool import Pool, _get, _pattern, _put
+from tests.unit.test_lookups import KS, _lookups, _no_tails, _store, _until_answered
 
 KiB = 2**10
 OBJ = 100 * KiB  # ten of them fill the 1 MiB arena
@@ -175,3 +180,35 @@ def test_an_engine_started_pool_gets_the_configured_disk_tier(sockdir):
         assert st["path"] == disk and st["capacity"] == 3 * 2**20 and st["objects"] >= 2, st
     finally:
         c.close()
+
+
+def test_lookups_see_each_chunks_tier_and_a_planned_load_brings_it_to_memory(disk_pool):
+    """The scheduler's lookups answer with the tier of every chunk (lookups.py); a load the
+    planner plans marks its chunks as in memory in the hit cache, including answers that
+    reach the cache only at the step's end, so the next request prices them as memory."""
+    pool = disk_pool()
+    c = pool.client()
+    chain = [f"{i:032x}" for i in range(4)]
+    _store(c, [KS.key(0, h) for h in chain])
+    c.close()
+    pool.stop()  # everything goes to disk
+    pool = disk_pool()
+    guard = GuardedBackend(pool.client(), "test pool tiers")
+    lk = _lookups(guard)
+    try:
+        st = LookupState()
+        hit = None
+        while hit is None:
+            hit = lk.lookup(st, chain, 0, 4, _no_tails)
+            if hit is None:
+                lk.flush()
+                time.sleep(0.01)
+        assert (hit.chunks, hit.tiers) == (4, (TIER_DISK,) * 4)
+        lk.promoted(chain[:2])  # a load of the first two, planned before the step's end
+        lk.flush()  # the step's end: the answers reach the cache
+        again, _ = _until_answered(lk, [LookupState()], [chain])
+        assert again[0].tiers == (TIER_MEMORY, TIER_MEMORY, TIER_DISK, TIER_DISK)
+        assert guard.calls["lookup"] == 1  # the cache answered
+    finally:
+        lk.close()
+        guard.close()
