@@ -2,7 +2,8 @@
 
 Under prefix-sharing load many requests ask about the same chunks within seconds. The
 cache remembers each chunk's answer (every layer and shard present: hit, as the tier that
-holds it; otherwise miss) for ``ttl_s``, bounded to ``max_entries`` (oldest dropped first). It is invalidated
+holds it; otherwise miss) for ``ttl_s``, bounded to ``max_entries`` (oldest dropped
+first). It is invalidated
 - per chunk when we plan to save it (a cached miss must not hide the new object) and
   when a worker reports it missing or corrupt on load;
 - every cached miss once the pool reports a commit after it (``Generation.added``): another

@@ -55,14 +55,6 @@ class StepCost:
     by_tier: tuple[int, ...] | None = None  # loaded tokens per tier (from TIER_MEMORY); None: all in memory
 
 
-def hit_pieces(computed: int, chunk: int, pieces: int, end: int) -> np.ndarray:
-    """The tokens of each piece of a hit over [computed, end): its chunks from the one holding
-    ``computed``, the last piece ending at ``end`` (a tail, or a chunk cut at the prompt's end)."""
-    ends = np.minimum((np.arange(pieces) + computed // chunk + 1) * chunk, end)
-    ends[-1] = end
-    return np.diff(ends, prepend=computed)
-
-
 class LoadPlanner:
     def __init__(self, counters, margin: float = 0.1, explore_every: int = 16, alpha: float = 0.3,
                  history: int = 8, grow: float = 2.0):
@@ -82,6 +74,19 @@ class LoadPlanner:
     def load_s_per_token(self) -> float | None:
         """The memory tier's price."""
         return None if np.isnan(self.rates[0]) else float(self.rates[0])
+
+    def plan_hit(self, computed: int, chunk: int, tiers, end: int, partial: bool) -> tuple[int, np.ndarray]:
+        """A request's hit over [computed, end): its chunks from the one holding ``computed``,
+        each in its tier, the last piece ending at ``end`` (a tail, or a chunk cut at the
+        prompt's end). Returns where its load ends and the tokens the load takes per tier."""
+        tiers = np.asarray(tiers, dtype=np.int64)
+        ends = np.minimum((np.arange(len(tiers)) + computed // chunk + 1) * chunk, end)
+        ends[-1] = end
+        tokens = np.diff(ends, prepend=computed)
+        take = self.plan(tokens, tiers, partial)
+        loaded = np.cumsum(tokens) <= take
+        by_tier = np.bincount(tiers[loaded], tokens[loaded], minlength=TIERS + 1)[1:]
+        return computed + take, by_tier.astype(np.int64)
 
     def plan(self, tokens, tiers=None, partial: bool = True) -> int:
         """How many of a hit's tokens to load: a prefix of its pieces (``tokens`` each, in

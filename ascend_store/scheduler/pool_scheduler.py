@@ -50,7 +50,7 @@ from ascend_store.scheduler.hit_cache import BlockHitCache
 from ascend_store.scheduler.lookups import STATE_TAG, TAIL_TAG, LookupState, PoolLookups
 from ascend_store.scheduler.marks import LOSSLESS, marked
 from ascend_store.scheduler.pd_wait import ProducerWait
-from ascend_store.scheduler.planner import LoadPlanner, StepCost, hit_pieces
+from ascend_store.scheduler.planner import LoadPlanner, StepCost
 
 log = logging.getLogger("ascend_store")
 
@@ -126,7 +126,7 @@ class PoolScheduler:
         # step computed and loaded, by step number, until its worker timing comes back.
         self.planner = LoadPlanner(self.counters) if cfg.load_planner and self.can_load else None
         self._step = 0
-        self._planned_steps: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        self._planned_steps: dict[int, tuple[int, tuple[int, ...]]] = {}  # (computed, loaded per tier)
         self._step_tiers = np.zeros(TIERS, dtype=np.int64)  # tokens this step loads per tier
         self.lookups = PoolLookups(self.backend, self.keyspaces, self.attn_groups, self.state_groups,
                                    self.hit_cache, self.counters, cfg.lookup_timeout_s, self.kv_events,
@@ -199,19 +199,15 @@ class PoolScheduler:
     def _plan_load(self, state: _Request, tiers: tuple[int, ...], computed: int, end: int) -> int:
         """Where the load of the hit [computed, end) ends: the prefix the load planner says
         pays. A cut hit ends on a chunk boundary; the chunks after it stay in the pool."""
-        tiers = np.asarray(tiers, dtype=np.int64)
-        tokens = hit_pieces(computed, self.chunk, len(tiers), end)
-        take = self.planner.plan(tokens, tiers, partial=not self.state_groups)
-        loaded = np.cumsum(tokens) <= take
-        by_tier = np.bincount(tiers[loaded], tokens[loaded], minlength=TIERS + 1)
-        state.load_tiers = by_tier[1:].astype(np.int64)
-        if computed + take < end:
-            state.pool_hit, state.tail_hit = (computed + take) // self.chunk, None
+        cut, state.load_tiers = self.planner.plan_hit(computed, self.chunk, tiers, end,
+                                                      partial=not self.state_groups)
+        if cut < end:
+            state.pool_hit, state.tail_hit = cut // self.chunk, None
         start = computed // self.chunk
         loaded_tail = [TAIL_TAG + state.tail_hit[0]] if state.tail_hit is not None else []
         tags = ("", STATE_TAG) if self.state_groups else ("",)
         self.lookups.promoted([t + h for h in state.hashes[start:state.pool_hit] for t in tags] + loaded_tail)
-        return computed + take
+        return cut
 
     def request_chain(self, request) -> tuple[list[str], KeyExtras | None]:
         """The chunk chain of a request's prompt, and what else names its KV (LoRA adapter,
@@ -286,8 +282,7 @@ class PoolScheduler:
             self._plan_saves(req_id, state, cached.num_computed_tokens[i]
                              + scheduler_output.num_scheduled_tokens[req_id], meta)
         if self.planner is not None:
-            loaded = sum(len(ld.block_ids) for ld in meta.loads if ld.group == 0) * self.block_size
-            self._planned_steps[self._step] = (meta.new_tokens, loaded, tuple(self._step_tiers.tolist()))
+            self._planned_steps[self._step] = (meta.new_tokens, tuple(self._step_tiers.tolist()))
             self._step_tiers[:] = 0
             if len(self._planned_steps) > 4096:  # steps whose timing never came (no worker hook ran)
                 self._planned_steps.pop(next(iter(self._planned_steps)))
@@ -373,8 +368,8 @@ class PoolScheduler:
             for step, seconds in report.steps.items():
                 planned = self._planned_steps.pop(step, None)
                 if planned is not None:
-                    computed, loaded, by_tier = planned
-                    self.planner.observe(StepCost(computed, loaded, seconds, by_tier))
+                    computed, by_tier = planned
+                    self.planner.observe(StepCost(computed, sum(by_tier), seconds, by_tier))
         failed = report.failed_chunks
         if self.hit_cache is not None:
             self.hit_cache.invalidate(failed + [tag + h for tag in (STATE_TAG, TAIL_TAG) for h in failed])

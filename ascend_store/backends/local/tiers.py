@@ -60,8 +60,7 @@ class TieredIndex:
 
     # -- the index's interface ---------------------------------------------------
     def exists(self, keys: list[str]) -> list[bool]:
-        disk = self.disk
-        return [m or k in disk for k, m in zip(keys, self.mem.exists(keys))]
+        return [t != TIER_NONE for t in self.tiers(keys)]
 
     def tiers(self, keys: list[str]) -> list[int]:
         disk = self.disk
