@@ -163,6 +163,10 @@ def make_engine(spec: dict):
                   enable_prefix_caching=False, max_num_batched_tokens=8192, disable_log_stats=False)
     if spec.get("gpu", True):
         kwargs.update(gpu_memory_utilization=0.8, attention_backend="FLASH_ATTN")
+        if "hybrid" in os.path.basename(spec["model"]):
+            # vLLM picks FlashInfer's GDN prefill on Hopper, compiled at first use: the
+            # offline GPU machine has no CUDA compiler, so the Triton (FLA) kernels.
+            kwargs["gdn_prefill_backend"] = "triton"
     else:  # the CPU smoke run
         kwargs.update(distributed_executor_backend="uni", block_size=128)
     if spec.get("graphs"):  # the timed hits compute one token: small batches are all it needs

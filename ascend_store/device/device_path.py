@@ -23,8 +23,8 @@ never waits on the host:
   stream, so a gather runs under the DMA of the layer before. Headers (with the sums)
   are written once the copies are done, before the objects are committed.
 
-int8 layers take the same DMAs (half the bytes), a batch each, dequantized by one kernel
-per layer and quantized by whole-class tensor ops (int8_path.py). vLLM-free, so
+int8 layers batch and take the same DMAs (half the bytes), dequantized by one kernel per
+batch and quantized by whole-class tensor ops (int8_path.py). vLLM-free, so
 ``benchmarks/layerwise.py`` drives exactly this code.
 """
 
@@ -74,6 +74,12 @@ class DevicePath(DeviceSaves):
         # A batch's layers read one plan: it holds their page shape (the plan at origin 0),
         # each layer adds where its cache starts, in words from the lowest cache storage.
         self.shapes = {name: replace(plan, origin=0) for name, plan in self.plans.items()}
+        # Consecutive layers of one kind share a batch: raw of one page shape, or int8 of one
+        # payload size, cache shape, dtype and strides (one kernel reads them all).
+        self.kinds = {name: ("raw", shape) for name, shape in self.shapes.items()}
+        self.kinds.update({name: ("int8", c.payload_bytes(layouts[name], 1), tuple(self.blocks_view[name].shape),
+                                  self.blocks_view[name].stride(), self.blocks_view[name].dtype)
+                           for name, c in self.int8.items()})
         ptrs = {name: self.words[name].data_ptr() for name in self.plans}
         low = min(ptrs, key=ptrs.get, default=None)
         self.base_words = self.words[low] if low is not None else None
@@ -120,11 +126,11 @@ class DevicePath(DeviceSaves):
                 segs = to_device_rows([np.zeros(1), np.full(1, -1), np.zeros(1), np.zeros(1)], dev)
                 kernels.copy_segments_sum(src, zeros(seg_words), segs, zeros(1, 2), seg_words)
             for (per_block, kv_dims), name in int8.items():
-                plan = int8_path.int8_plan(StepPages.of([[]], [0], [1]), np.zeros(1, dtype=np.int64),
-                                           np.ones(1, dtype=np.int64), per_block, kv_dims[1])
-                int8_path.upload(plan, dev)
+                plan = int8_path.int8_plan(StepPages.of([[]], [0], [1]), np.ones(1, dtype=np.int64), per_block,
+                                           kv_dims[1])
+                rows = int8_path.int8_rows([self.blocks_view[name]], np.zeros((1, 1), dtype=np.int64))
                 staging = torch.zeros(HEADER_BYTES + per_block, dtype=torch.uint8, device=dev)
-                kernels.int8_load(staging, self.blocks_view[name], plan, zeros(1, 2))
+                int8_path.load_layers(staging, plan, rows, zeros(1, 1, 2))
         self.save_stream.synchronize()
 
     # -- the arena ----------------------------------------------------------------
@@ -145,9 +151,8 @@ class DevicePath(DeviceSaves):
 
     # -- loads --------------------------------------------------------------------
     def batches(self, layers: list[LayerObjects], arena: torch.Tensor | None = None) -> list[BatchLoad]:
-        """A group's layers (model order) in the batches they load in: consecutive raw layers
-        of one page shape and one step plan, until a batch holds ``BATCH_BYTES``; int8 layers
-        alone. The first two batches are planned now, the others when queued (a batch costs
+        """A group's layers (model order) in the batches they load in: consecutive layers of
+        one kind (``kinds``) and one step plan, until a batch holds ``BATCH_BYTES``. The first two batches are planned now, the others when queued (a batch costs
         the host ~15-30 us to plan: planning all of a step's 28 first would hold the link idle
         for most of a batch). With ``arena`` (the step's only
         group) the first batch's DMAs start once it is planned, the second's once the uploads
@@ -163,8 +168,7 @@ class DevicePath(DeviceSaves):
             held = 0
             for i, (objs, nbytes) in enumerate(zip(layers, sizes.sum(axis=1).tolist())):
                 last = layers[firsts[-1]] if firsts else None
-                if not (last is not None and held < BATCH_BYTES and objs.name not in self.int8
-                        and last.name not in self.int8 and self.shapes[objs.name] == self.shapes[last.name]
+                if not (last is not None and held < BATCH_BYTES and self.kinds[objs.name] == self.kinds[last.name]
                         and objs.plan() is last.plan()):
                     firsts.append(i)
                     held = 0
@@ -192,20 +196,22 @@ class DevicePath(DeviceSaves):
         self._plan_int8([bl for bl in bls if bl.layers[0].name in self.int8])
 
     def _plan_int8(self, bls: list[BatchLoad]) -> None:
-        """Plan int8 layers: their dequantizing plans (layers placed alike share one), on
-        CUDA uploaded once each."""
+        """Plan int8 batches: the step's dequantizing plan (a step's batches of one shape
+        share one) and where each layer's objects and cache are; on CUDA their index arrays
+        go up in one copy per batch."""
         for bl in bls:
-            objs, sizes, starts = bl.layers[0], bl.sizes[0], bl.starts[0]
+            objs, sizes = bl.layers[0], bl.sizes[0]
             layout = self.layouts[objs.name]
             per_block = self.int8[objs.name].payload_bytes(layout, 1)
             planner = objs.plan()
             bl.int8 = planner.cached(
-                ("int8", layout.kv_dims, starts.tobytes(), sizes.tobytes()),
-                lambda: int8_path.int8_plan(planner.pages, starts, (sizes - HEADER_BYTES) // per_block,
-                                            per_block, layout.kv_dims[1]))
+                ("int8", layout.kv_dims, sizes.tobytes()),
+                lambda: int8_path.int8_plan(planner.pages, (sizes - HEADER_BYTES) // per_block, per_block,
+                                            layout.kv_dims[1]))
+            bl.rows = int8_path.int8_rows([self.blocks_view[o.name] for o in bl.layers], bl.starts)
             if self.dev.type == "cuda":  # the kernel's index arrays (elsewhere torch ops read numpy)
                 with self.dev.use(self.load_stream):
-                    int8_path.upload(bl.int8, self.dev.device)
+                    int8_path.upload(bl.int8, bl.rows, self.dev.device)
 
     def _plan_raw(self, raw: list[BatchLoad]) -> None:
         """Plan raw batches: row plans, where each [layer, object] payload starts. On CUDA
@@ -262,11 +268,10 @@ class DevicePath(DeviceSaves):
             sums, row = bl.sums_at
             rows = sums[row:row + bl.parts.size]
             with self.dev.use(self.load_stream):
+                bl.sums = rows.view(*bl.parts.shape, 2)
                 if bl.int8 is not None:
-                    bl.sums = rows  # [objects, 2]
                     self._load_int8(arena, bl)
                 else:
-                    bl.sums = rows.view(*bl.parts.shape, 2)
                     self._load_raw(arena, bl)
                 done = self.dev.record(self.load_stream)
                 if bl.slot is not None:
@@ -350,7 +355,7 @@ class DevicePath(DeviceSaves):
         return entry, entry[0][:nbytes]
 
     def _load_int8(self, arena: torch.Tensor, bl: BatchLoad) -> None:
-        """Dequantize a planned int8 layer's objects into the cache (one kernel,
-        int8_path.py), adding the payloads' word sums per object."""
+        """Dequantize a planned batch of int8 layers into their caches (one kernel,
+        int8_path.py), adding the payloads' word sums per [layer, object]."""
         src = self._staged(arena, bl) if self.dev.is_accelerator else arena
-        int8_path.load_layer(src, self.blocks_view[bl.layers[0].name], bl.int8, bl.sums)
+        int8_path.load_layers(src, bl.int8, bl.rows, bl.sums)

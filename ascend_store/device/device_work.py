@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ascend_store.device.int8_path import Int8Plan
+from ascend_store.device.int8_path import Int8Plan, Int8Rows
 from ascend_store.device.segments import CopyPlanner, RowPlan, StepPages
 
 # Layers are added to a load batch until it holds this much: a DMA this long runs at
@@ -62,10 +62,11 @@ class LayerObjects:
 @dataclass
 class BatchLoad:
     """A batch as ``batches`` plans it with the step's other batches of its group:
-    ``layers`` (int8: one layer) and their parts; the DMAs into staging as (staging
+    ``layers`` and their parts; the DMAs into staging as (staging
     offset, width, arena offset, pitch, rows) and the staged bytes; for raw layers the
     step's row plan, where each [layer, object] payload starts in staging (words) and
-    where each layer's cache starts, for int8 its dequantizing plan; and the zeroed sums
+    where each layer's cache starts, for int8 the step's dequantizing plan and the batch's
+    rows (where its objects and caches are); and the zeroed sums
     the kernel adds into (slices of one upload and one tensor per step: a batch costs the
     host its DMAs, a launch and two events)."""
 
@@ -73,7 +74,8 @@ class BatchLoad:
     parts: np.ndarray  # [layer, object] arena offsets
     sizes: np.ndarray  # [layer, object] part sizes
     plan: RowPlan | None = None
-    int8: Int8Plan | None = None  # an int8 layer's plan
+    int8: Int8Plan | None = None  # an int8 batch's plan
+    rows: Int8Rows | None = None
     runs: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     staged: int = 0
     starts: np.ndarray | None = None  # [layer, object] where each part starts in staging (CPU: arena)
@@ -88,9 +90,9 @@ class BatchLoad:
 
 @dataclass
 class QueuedLoad:
-    layers: list[LayerObjects]  # the batch (int8: one layer)
+    layers: list[LayerObjects]  # the batch
     done: object  # device event (None on CPU, where the copy is done on return)
-    sums: torch.Tensor  # per object (raw: [layers, objects, 2]; int8: [objects, 2])
+    sums: torch.Tensor  # [layers, objects, 2]
     sums_at: tuple[torch.Tensor, int]  # where they are in the step's sums (BatchLoad.sums_at)
 
 

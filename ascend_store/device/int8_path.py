@@ -1,14 +1,16 @@
 """int8 layers on the batched path: a step's plan, shared by the group's layers, and the
-load and save of one layer with no Python loop over objects.
+load of a batch of layers and the save of one layer with no Python loop over objects.
 
 An int8 object of n blocks holds, after its header: values [n, 2, T, H, D] int8, key
 scales [n, H, D] fp16 (per channel over a block's tokens), value scales [n, T, H] fp16
-(per token and head) (codecs.Int8Codec). A load stages the layer's parts in device memory
-with the raw path's DMAs (half the bytes), then one kernel (kernels.int8_load)
-dequantizes the moved pages into the cache and sums every payload word of every object;
-on CPU the same plan runs as a few vectorized torch ops. A save quantizes each size class
-of objects (a prompt's shorter tail object is its own class) with whole-class tensor ops
-and moves the payloads into their slots with the raw path's 2D copies.
+(per token and head) (codecs.Int8Codec). A load stages a batch of layers in device memory
+with the raw path's DMAs (half the bytes), then one kernel (kernels.int8_load) dequantizes
+the moved pages of every layer of the batch into its cache and sums every payload word of
+every object: the host's cost per batch (its DMAs, a launch, two events) is paid once for
+several layers, as on the raw path. On CPU the same plan runs as a few vectorized torch
+ops per layer. A save quantizes each size class of objects (a prompt's shorter tail
+object is its own class) with whole-class tensor ops and moves the payloads into their
+slots with the raw path's 2D copies.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ SEG_WORDS = 1024  # words summed per kernel program
 @dataclass
 class Int8Plan:
     """Which pages move where, and the stretches of payload words each program sums, for
-    one layer shape and one placement of the objects in staging memory."""
+    one layer shape and one step: every layer of a batch reads it (where each layer's
+    objects sit in staging and where its cache starts come with the batch, ``Int8Rows``)."""
 
     page_obj: np.ndarray  # per moved page: object index
     page_idx: np.ndarray  # its page within the object's payload
     page_block: np.ndarray  # its cache block
-    obj_start: np.ndarray  # per object: payload start in staging (bytes)
     obj_n: np.ndarray  # per object: blocks in its payload
     seg_obj: np.ndarray  # per summed stretch: object
     seg_word: np.ndarray  # its first word within the payload
@@ -46,8 +48,7 @@ class Int8Plan:
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The kernel's index arrays, in its argument order."""
-        return (self.page_obj, self.page_idx, self.page_block, self.obj_start, self.obj_n, self.seg_obj,
-                self.seg_word)
+        return (self.page_obj, self.page_idx, self.page_block, self.obj_n, self.seg_obj, self.seg_word)
 
     @property
     def pages(self) -> int:
@@ -62,7 +63,7 @@ class Int8Plan:
         return -(-self.t // self.tt)
 
 
-def int8_plan(pages: StepPages, starts: np.ndarray, n: np.ndarray, block_bytes: int, t: int) -> Int8Plan:
+def int8_plan(pages: StepPages, n: np.ndarray, block_bytes: int, t: int) -> Int8Plan:
     moved = pages.block >= 0
     n = np.asarray(n, dtype=np.int64)
     block_words = block_bytes // WORD
@@ -70,38 +71,69 @@ def int8_plan(pages: StepPages, starts: np.ndarray, n: np.ndarray, block_bytes: 
     seg_obj = np.repeat(np.arange(len(n), dtype=np.int64), per_obj)
     first = np.repeat(np.cumsum(per_obj) - per_obj, per_obj)
     seg_word = (np.arange(len(seg_obj), dtype=np.int64) - first) * SEG_WORDS
-    return Int8Plan(pages.obj[moved], pages.page[moved], pages.block[moved],
-                    np.asarray(starts, dtype=np.int64) + HEADER_BYTES, n, seg_obj, seg_word, block_words,
+    return Int8Plan(pages.obj[moved], pages.page[moved], pages.block[moved], n, seg_obj, seg_word, block_words,
                     t, min(t, 16))
 
 
-def load_layer(staging: torch.Tensor, view: torch.Tensor, plan: Int8Plan, sums: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """Dequantize ``plan``'s pages from ``staging`` into ``view`` ([blocks, 2, T, H, D])
-    and add the per-object word sums into ``sums`` ([objects, 2], zeroed; made here when
-    None); returns them (on the device, valid once the queued work is done)."""
-    dev = staging.device
-    if sums is None:
-        sums = torch.zeros((len(plan.obj_n), 2), dtype=torch.int64, device=dev)
-    if dev.type == "cuda":
-        upload(plan, dev)
-        kernels.int8_load(staging, view, plan, sums)
-        return sums
-    _load_torch(staging, view, plan, sums)
-    return sums
+@dataclass
+class Int8Rows:
+    """A batch's layers: where each [layer, object] payload starts in staging and where
+    each layer's cache starts, as elements from the batch's lowest cache (``dst``: the
+    kernel's one base pointer; addresses are flat on the device, and the layers of a batch
+    share a dtype and strides)."""
+
+    views: list[torch.Tensor]  # each layer's cache as [blocks, 2, T, H, D]
+    obj_base: np.ndarray  # [layers, objects] payload starts in staging (bytes)
+    dst: torch.Tensor
+    layer_off: np.ndarray  # [layers] elements from dst to each layer's cache
+    tensors: tuple = ()  # obj_base and layer_off on the device
+
+    @property
+    def objects(self) -> int:
+        return self.obj_base.shape[1]
 
 
-def upload(plan: Int8Plan, device: torch.device) -> None:
-    """The plan's index arrays on the device, in one copy, once per plan."""
+def int8_rows(views: list[torch.Tensor], starts: np.ndarray) -> Int8Rows:
+    """The rows of a batch whose [layer, object] parts start at ``starts`` in staging."""
+    ptrs = np.array([v.data_ptr() for v in views], dtype=np.int64)
+    low = int(np.argmin(ptrs))
+    base = np.asarray(starts, dtype=np.int64).reshape(len(views), -1) + HEADER_BYTES
+    return Int8Rows(views, base, views[low], (ptrs - ptrs[low]) // views[low].element_size())
+
+
+def load_layers(staging: torch.Tensor, plan: Int8Plan, rows: Int8Rows, sums: torch.Tensor) -> None:
+    """Dequantize ``plan``'s pages of every layer of ``rows`` from ``staging`` into its
+    cache and add each [layer, object] payload's word sums into ``sums`` ([layers,
+    objects, 2], zeroed; valid once the queued work is done)."""
+    if staging.device.type == "cuda":
+        upload(plan, rows, staging.device)
+        kernels.int8_load(staging, plan, rows, sums)
+        return
+    for r, view in enumerate(rows.views):
+        _load_torch(staging, view, plan, rows.obj_base[r], sums[r])
+
+
+def upload(plan: Int8Plan, rows: Int8Rows, device: torch.device) -> None:
+    """The index arrays the kernel reads on the device, in one copy: the plan's once per
+    plan, the rows' once per batch."""
+    arrays = ([] if plan.tensors else list(plan.arrays())) + (
+        [] if rows.tensors else [rows.obj_base.reshape(-1), rows.layer_off])
+    if not arrays:
+        return
+    got = to_device_rows(arrays, device)
     if not plan.tensors:
-        plan.tensors = tuple(to_device_rows(list(plan.arrays()), device))
+        plan.tensors, got = tuple(got[:len(plan.arrays())]), got[len(plan.arrays()):]
+    if not rows.tensors:
+        rows.tensors = tuple(got)
 
 
-def _load_torch(staging: torch.Tensor, view: torch.Tensor, plan: Int8Plan, sums: torch.Tensor) -> None:
-    """The kernel's twin in torch ops (CPU): gathers by index arrays, no loop over objects."""
+def _load_torch(staging: torch.Tensor, view: torch.Tensor, plan: Int8Plan, obj_start: np.ndarray,
+                sums: torch.Tensor) -> None:
+    """The kernel's twin for one layer in torch ops (CPU): gathers by index arrays, no loop
+    over objects. ``obj_start``: each object's payload start in ``staging`` (bytes)."""
     t, h, d = view.shape[2:]
     vals = 2 * t * h * d
-    base = plan.obj_start[plan.page_obj]
+    base = obj_start[plan.page_obj]
     n = plan.obj_n[plan.page_obj]
     q = _gather(staging.view(torch.int8), base + plan.page_idx * vals, vals).view(-1, 2, t, h, d)
     halves = staging.view(torch.float16)
@@ -114,7 +146,7 @@ def _load_torch(staging: torch.Tensor, view: torch.Tensor, plan: Int8Plan, sums:
     total = plan.obj_n * plan.block_words
     obj = np.repeat(np.arange(len(total), dtype=np.int64), total)
     j = np.arange(len(obj), dtype=np.int64) - np.repeat(np.cumsum(total) - total, total)
-    w = words[torch.from_numpy(plan.obj_start[obj] // WORD + j)]
+    w = words[torch.from_numpy(obj_start[obj] // WORD + j)]
     idx = torch.from_numpy(obj)
     sums[:, 0].index_add_(0, idx, w)
     sums[:, 1].index_add_(0, idx, w * torch.from_numpy(j + 1))

@@ -12,8 +12,8 @@ reads the same segment plan, shifted by where its cache starts and where each ob
 part of that layer sits in staging, so the host plans a step once, not once per layer.
 
 int8 layers load with one kernel too (``int8_load``): its programs either dequantize one
-page's K or V rows into the cache or sum one stretch of an object's payload words, so a
-layer's int8 objects land in one launch whatever their number.
+page's K or V rows into a layer's cache or sum one stretch of an object's payload words,
+so a batch of int8 layers lands in one launch whatever the number of its objects.
 """
 
 from __future__ import annotations
@@ -73,12 +73,13 @@ if triton is not None:
         tl.atomic_add(sums + 2 * k + 1, tl.sum(w * (pw + idx + 1).to(tl.int64), axis=0))
 
 
-    @triton.jit(do_not_specialize=["n_dequant"])
-    def _int8_load_kernel(words, bytes_, halves, dst, page_obj, page_idx, page_block, obj_start, obj_n,
-                          seg_obj, seg_word, sums, n_dequant, block_words, sb, skv, st, sh, sd,
+    @triton.jit(do_not_specialize=["n_dequant", "n_objs"])
+    def _int8_load_kernel(words, bytes_, halves, dst, page_obj, page_idx, page_block, obj_n, seg_obj, seg_word,
+                          obj_base, layer_off, sums, n_dequant, n_objs, block_words, sb, skv, st, sh, sd,
                           T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, TT: tl.constexpr,
                           BHD: tl.constexpr, SEGW: tl.constexpr):
         pid = tl.program_id(0)
+        layer = tl.program_id(1)  # a layer of the batch
         if pid < n_dequant:  # one page's K (kv 0) or V (kv 1) rows [tc*TT, tc*TT + TT)
             tcs = (T + TT - 1) // TT
             p = pid // (2 * tcs)
@@ -87,7 +88,7 @@ if triton is not None:
             o = tl.load(page_obj + p)
             pg = tl.load(page_idx + p)
             blk = tl.load(page_block + p)
-            base = tl.load(obj_start + o)  # payload start, bytes (a multiple of 8)
+            base = tl.load(obj_base + layer * n_objs + o)  # payload start, bytes (a multiple of 8)
             n = tl.load(obj_n + o)
             t = tc * TT + tl.arange(0, TT)
             hd = tl.arange(0, BHD)
@@ -104,18 +105,19 @@ if triton is not None:
             is_k = (kv == 0).to(tl.float32)
             sc = ks[None, :] * is_k + vs * (1.0 - is_k)
             x = q.to(tl.float32) * sc
-            out = dst + blk * sb + kv * skv + t[:, None] * st
+            out = dst + tl.load(layer_off + layer) + blk * sb + kv * skv + t[:, None] * st
             out += (hd[None, :] // D) * sh + (hd[None, :] % D) * sd
             tl.store(out, x.to(dst.dtype.element_ty), mask=m)
         else:  # the word sums of one stretch of an object's payload (moved pages or not)
             s = pid - n_dequant
             o = tl.load(seg_obj + s)
+            k = layer * n_objs + o
             w0 = tl.load(seg_word + s)
             total = tl.load(obj_n + o) * block_words
             idx = w0 + tl.arange(0, SEGW)
-            w = tl.load(words + tl.load(obj_start + o) // 8 + idx, mask=idx < total, other=0)
-            tl.atomic_add(sums + 2 * o, tl.sum(w, axis=0))
-            tl.atomic_add(sums + 2 * o + 1, tl.sum(w * (idx + 1).to(tl.int64), axis=0))
+            w = tl.load(words + tl.load(obj_base + k) // 8 + idx, mask=idx < total, other=0)
+            tl.atomic_add(sums + 2 * k, tl.sum(w, axis=0))
+            tl.atomic_add(sums + 2 * k + 1, tl.sum(w * (idx + 1).to(tl.int64), axis=0))
 
 
 def copy_segments_sum(src, dst, segs: list[torch.Tensor], sums: torch.Tensor, seg_words: int,
@@ -165,19 +167,21 @@ def copy_segments_sum_torch(src: torch.Tensor, dst: torch.Tensor, src_offs, dst_
         sums[i, 1] = (w * weights).sum()
 
 
-def int8_load(staging: torch.Tensor, view: torch.Tensor, plan, sums: torch.Tensor) -> None:
-    """Dequantize a layer's staged int8 objects into the cache and sum their payload words
-    (per object, into ``sums`` [objects, 2]) in one launch. ``staging``: uint8 device
-    memory; ``view``: the cache as [blocks, 2, T, H, D]; ``plan``: an ``Int8Plan`` with its
-    tensors on the device."""
+def int8_load(staging: torch.Tensor, plan, rows, sums: torch.Tensor) -> None:
+    """Dequantize a batch's staged int8 objects into its layers' caches and sum their payload
+    words (per [layer, object], into ``sums`` [layers, objects, 2]) in one launch.
+    ``staging``: uint8 device memory; ``plan``: an ``Int8Plan``, ``rows``: the batch's
+    ``Int8Rows``, both with their tensors on the device."""
     n_dequant = plan.pages * 2 * plan.tcs
-    grid = (n_dequant + plan.segments,)
+    grid = (n_dequant + plan.segments, len(rows.views))
     if grid[0] == 0:
         return
-    t, h, d = view.shape[2:]
+    dst = rows.dst
+    t, h, d = dst.shape[2:]
     _int8_load_kernel[grid](staging.view(torch.int64), staging.view(torch.int8), staging.view(torch.float16),
-                            view, *plan.tensors, sums, n_dequant, plan.block_words, *view.stride(),
-                            T=t, H=h, D=d, TT=plan.tt, BHD=triton.next_power_of_2(h * d), SEGW=plan.segw)
+                            dst, *plan.tensors, *rows.tensors, sums, n_dequant, rows.objects, plan.block_words,
+                            *dst.stride(), T=t, H=h, D=d, TT=plan.tt, BHD=triton.next_power_of_2(h * d),
+                            SEGW=plan.segw)
 
 
 def load_rows_torch(src: torch.Tensor, dsts: list[torch.Tensor], segs: tuple[np.ndarray, ...],

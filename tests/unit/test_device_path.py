@@ -313,6 +313,55 @@ def test_int8_layers_match_the_host_codec_both_ways(device):
     loader.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_layers_of_one_shape_load_in_one_batch(device):
+    """Consecutive int8 layers of one shape share a batch (one kernel on CUDA), as raw
+    layers do: each layer's pages land in its own cache as the host codec reads them, and a
+    flipped byte fails its own [layer, object] only."""
+    int8 = get_codec("int8")
+    torch.manual_seed(2)
+    names = ["l0", "l1", "l2"]
+    src = {n: LayerLayout(torch.randn(2, NB, T, H, D, dtype=torch.bfloat16, device=device), 1, (H, T, D))
+           for n in names}
+    size = object_bytes(src["l0"], 3, int8)
+    slot = (size + 511) // 512 * 512
+    objs = {n: LayerObjects(n, [(2 * i) * slot, (2 * i + 1) * slot], [size, size], [[1, 4, 7], [9, 2, 5]],
+                            [0, 0], [f"k/{n}/0", f"k/{n}/1"]) for i, n in enumerate(names)}
+    path = DevicePath(torch.device(device), src, {n: int8 for n in names})
+    arena = path.arena(1, mmap.mmap(-1, 2 * len(names) * slot))
+    for n, o in objs.items():
+        q = path.save_layer(arena, o, path.dev.record())
+        for key, off, wsum in zip(o.keys, o.offsets, finish_save(path, q)):
+            seal(arena[off:off + size], size - HEADER_BYTES, src[n], key, int8, True, wsum=wsum)
+    empty = {n: LayerLayout(torch.zeros_like(lay.tensor), lay.block_dim, lay.kv_dims) for n, lay in src.items()}
+    loader = DevicePath(torch.device(device), empty, {n: int8 for n in names})
+    step = []
+    for n, o in objs.items():
+        faults, h = header_faults(arena.numpy(), o.offsets, o.sizes, o.keys, empty[n], 3, True, int8,
+                                  wsum_later=True)
+        assert faults == [None, None]
+        step.append(LayerObjects(n, o.offsets, o.sizes, [[3, 5, 6], [8, 10, 11]], [0, 0], o.keys,
+                                 h["crc"].astype("int64").tolist()))
+    plan = step[0].plan()
+    for lo in step[1:]:
+        lo.planner = plan  # one step: the layers share its page plan
+    batches = loader.batches(step)
+    assert [len(b.layers) for b in batches] == [3]
+    assert loader.check_loads([loader.queue_batch(arena, batches[0])], True) == [[[], [], []]]
+    for n, o in objs.items():
+        want = LayerLayout(torch.zeros(2, NB, T, H, D, dtype=torch.bfloat16), 1, (H, T, D))
+        for off, blocks in zip(o.offsets, ([3, 5, 6], [8, 10, 11])):
+            read_object(arena[off:off + size], want, blocks, 0, o.keys[o.offsets.index(off)], 3, True, int8)
+            for b in blocks:
+                assert torch.equal(empty[n].page(b).cpu(), want.page(b)), (n, b)
+
+    arena[objs["l1"].offsets[1] + HEADER_BYTES + 40] ^= 0x10
+    again = loader.batches(step)
+    assert loader.check_loads([loader.queue_batch(arena, again[0])], True) == [[[], [1], []]]
+    path.close()
+    loader.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's compiled variants: CUDA only")
 def test_steps_of_any_size_compile_no_kernel_after_warm_up():
     """Triton compiles a kernel once per alignment of its pointer arguments and per special
