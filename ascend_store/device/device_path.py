@@ -77,9 +77,10 @@ class DevicePath(DeviceSaves):
         # Consecutive layers of one kind share a batch: raw of one page shape, or int8 of one
         # payload size, cache shape, dtype and strides (one kernel reads them all).
         self.kinds = {name: ("raw", shape) for name, shape in self.shapes.items()}
-        self.kinds.update({name: ("int8", c.payload_bytes(layouts[name], 1), tuple(self.blocks_view[name].shape),
-                                  self.blocks_view[name].stride(), self.blocks_view[name].dtype)
-                           for name, c in self.int8.items()})
+        for name, c in self.int8.items():
+            view = self.blocks_view[name]
+            self.kinds[name] = ("int8", c.payload_bytes(layouts[name], 1), tuple(view.shape), view.stride(),
+                                view.dtype)
         ptrs = {name: self.words[name].data_ptr() for name in self.plans}
         low = min(ptrs, key=ptrs.get, default=None)
         self.base_words = self.words[low] if low is not None else None
@@ -126,8 +127,8 @@ class DevicePath(DeviceSaves):
                 segs = to_device_rows([np.zeros(1), np.full(1, -1), np.zeros(1), np.zeros(1)], dev)
                 kernels.copy_segments_sum(src, zeros(seg_words), segs, zeros(1, 2), seg_words)
             for (per_block, kv_dims), name in int8.items():
-                plan = int8_path.int8_plan(StepPages.of([[]], [0], [1]), np.ones(1, dtype=np.int64), per_block,
-                                           kv_dims[1])
+                plan = int8_path.int8_plan(StepPages.of([[]], [0], [1]), np.ones(1, dtype=np.int64),
+                                           per_block, kv_dims[1])
                 rows = int8_path.int8_rows([self.blocks_view[name]], np.zeros((1, 1), dtype=np.int64))
                 staging = torch.zeros(HEADER_BYTES + per_block, dtype=torch.uint8, device=dev)
                 int8_path.load_layers(staging, plan, rows, zeros(1, 1, 2))
@@ -152,10 +153,11 @@ class DevicePath(DeviceSaves):
     # -- loads --------------------------------------------------------------------
     def batches(self, layers: list[LayerObjects], arena: torch.Tensor | None = None) -> list[BatchLoad]:
         """A group's layers (model order) in the batches they load in: consecutive layers of
-        one kind (``kinds``) and one step plan, until a batch holds ``BATCH_BYTES``. The first two batches are planned now, the others when queued (a batch costs
-        the host ~15-30 us to plan: planning all of a step's 28 first would hold the link idle
-        for most of a batch). With ``arena`` (the step's only
-        group) the first batch's DMAs start once it is planned, the second's once the uploads
+        one kind (``kinds``) and one step plan, until a batch holds ``BATCH_BYTES``. The first
+        two batches are planned now, the others when queued (a batch costs the host ~15-30 us
+        to plan: planning all of a step's 28 first would hold the link idle for most of a
+        batch). With ``arena`` (the step's only group) the first batch's DMAs start once it is
+        planned, the second's once the uploads
         its kernel needs are queued (copies of one direction can share a copy engine's queue
         whatever their streams: an upload behind both batches held the first kernel back a
         whole batch); their kernels follow in ``queue_batch``."""
@@ -168,8 +170,8 @@ class DevicePath(DeviceSaves):
             held = 0
             for i, (objs, nbytes) in enumerate(zip(layers, sizes.sum(axis=1).tolist())):
                 last = layers[firsts[-1]] if firsts else None
-                if not (last is not None and held < BATCH_BYTES and self.kinds[objs.name] == self.kinds[last.name]
-                        and objs.plan() is last.plan()):
+                if not (last is not None and held < BATCH_BYTES
+                        and self.kinds[objs.name] == self.kinds[last.name] and objs.plan() is last.plan()):
                     firsts.append(i)
                     held = 0
                 held += nbytes

@@ -71,8 +71,8 @@ def int8_plan(pages: StepPages, n: np.ndarray, block_bytes: int, t: int) -> Int8
     seg_obj = np.repeat(np.arange(len(n), dtype=np.int64), per_obj)
     first = np.repeat(np.cumsum(per_obj) - per_obj, per_obj)
     seg_word = (np.arange(len(seg_obj), dtype=np.int64) - first) * SEG_WORDS
-    return Int8Plan(pages.obj[moved], pages.page[moved], pages.block[moved], n, seg_obj, seg_word, block_words,
-                    t, min(t, 16))
+    return Int8Plan(pages.obj[moved], pages.page[moved], pages.block[moved], n, seg_obj, seg_word,
+                    block_words, t, min(t, 16))
 
 
 @dataclass

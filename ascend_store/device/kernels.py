@@ -74,10 +74,10 @@ if triton is not None:
 
 
     @triton.jit(do_not_specialize=["n_dequant", "n_objs"])
-    def _int8_load_kernel(words, bytes_, halves, dst, page_obj, page_idx, page_block, obj_n, seg_obj, seg_word,
-                          obj_base, layer_off, sums, n_dequant, n_objs, block_words, sb, skv, st, sh, sd,
-                          T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, TT: tl.constexpr,
-                          BHD: tl.constexpr, SEGW: tl.constexpr):
+    def _int8_load_kernel(words, bytes_, halves, dst, page_obj, page_idx, page_block, obj_n, seg_obj,
+                          seg_word, obj_base, layer_off, sums, n_dequant, n_objs, block_words,
+                          sb, skv, st, sh, sd, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                          TT: tl.constexpr, BHD: tl.constexpr, SEGW: tl.constexpr):
         pid = tl.program_id(0)
         layer = tl.program_id(1)  # a layer of the batch
         if pid < n_dequant:  # one page's K (kv 0) or V (kv 1) rows [tc*TT, tc*TT + TT)
@@ -179,9 +179,9 @@ def int8_load(staging: torch.Tensor, plan, rows, sums: torch.Tensor) -> None:
     dst = rows.dst
     t, h, d = dst.shape[2:]
     _int8_load_kernel[grid](staging.view(torch.int64), staging.view(torch.int8), staging.view(torch.float16),
-                            dst, *plan.tensors, *rows.tensors, sums, n_dequant, rows.objects, plan.block_words,
-                            *dst.stride(), T=t, H=h, D=d, TT=plan.tt, BHD=triton.next_power_of_2(h * d),
-                            SEGW=plan.segw)
+                            dst, *plan.tensors, *rows.tensors, sums, n_dequant, rows.objects,
+                            plan.block_words, *dst.stride(), T=t, H=h, D=d, TT=plan.tt,
+                            BHD=triton.next_power_of_2(h * d), SEGW=plan.segw)
 
 
 def load_rows_torch(src: torch.Tensor, dsts: list[torch.Tensor], segs: tuple[np.ndarray, ...],

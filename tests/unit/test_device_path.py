@@ -332,8 +332,10 @@ def test_int8_layers_of_one_shape_load_in_one_batch(device):
     for n, o in objs.items():
         q = path.save_layer(arena, o, path.dev.record())
         for key, off, wsum in zip(o.keys, o.offsets, finish_save(path, q)):
-            seal(arena[off:off + size], size - HEADER_BYTES, src[n], key, int8, True, wsum=wsum)
-    empty = {n: LayerLayout(torch.zeros_like(lay.tensor), lay.block_dim, lay.kv_dims) for n, lay in src.items()}
+            seal(arena[off:off + size], size - HEADER_BYTES, src[n], key, int8, True,
+                 wsum=wsum)
+    empty = {n: LayerLayout(torch.zeros_like(lay.tensor), lay.block_dim, lay.kv_dims)
+             for n, lay in src.items()}
     loader = DevicePath(torch.device(device), empty, {n: int8 for n in names})
     step = []
     for n, o in objs.items():

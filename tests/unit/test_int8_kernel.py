@@ -53,7 +53,8 @@ def compare(device: str, dtype: torch.dtype, apart: bool) -> None:
             int8_path._load_torch(staging, LayerLayout(w, dim, (H, T, D)).canonical_blocks(), plan,
                                   layer_starts + HEADER_BYTES, want_sums[r])
             host = LayerLayout(torch.zeros_like(caches[0]), dim, (H, T, D))
-            for (s0, size), n, skip, blocks in zip(zip(layer_starts, sizes), (3, 2), (1, 0), ([5, 6], [10, 11])):
+            for (s0, size), n, skip, blocks in zip(zip(layer_starts, sizes), (3, 2), (1, 0),
+                                                   ([5, 6], [10, 11])):
                 int8.decode(host, staging[s0 + HEADER_BYTES:s0 + size], n, skip, blocks)
             assert torch.equal(w, host.tensor), name
             want.append(w)
