@@ -106,13 +106,6 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self.worker.start_load_kv(self._get_connector_metadata())
 
-    def has_connector_metadata(self) -> bool:
-        """Also while vLLM captures a full CUDA graph, when no step's metadata is bound:
-        vLLM's attention calls our per-layer hooks only with metadata, and the graph must
-        capture our per-layer load waits (graph_waits.py)."""
-        gw = self.worker.graph_waits if self.worker is not None else None
-        return self._connector_metadata is not None or (gw is not None and gw.capturing())
-
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer_load(layer_name)
 

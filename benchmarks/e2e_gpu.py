@@ -94,8 +94,6 @@ CONFIGS = {
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True}}},
     "ascend-layerwise-raw-w4": {"engine": {"enable_prefix_caching": True}, "reset": True,
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True, "load_window": 4}}},
-    "ascend-layerwise-raw-gw": {"engine": {"enable_prefix_caching": True}, "reset": True,
-        "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True, "graph_layer_waits": True}}},
     # Layerwise, but a hit of 8K tokens or more loads off the step (async_loads.py).
     "ascend-layerwise-raw-async": {"engine": {"enable_prefix_caching": True}, "reset": True,
         "kv": {**ASCEND, "kv_connector_extra_config": {"use_layerwise": True,

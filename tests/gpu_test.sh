@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make gpu-test`: on a CUDA machine, every CUDA-only unit test (the batched device path, the
-# compiled Triton copy and int8 kernels bit for bit, per-layer waits inside a CUDA graph, the
-# layout self-test with pinned pool memory) and one real-engine check (a 4K-token full hit of
+# compiled Triton copy and int8 kernels bit for bit, the layout self-test with pinned pool
+# memory) and one real-engine check (a 4K-token full hit of
 # the 1B geometry under vLLM's CUDA graphs, the KV cache scrubbed first, must give
 # recompute's first token, raw and int8), and the same for a tiny hybrid (Qwen3-Next: GDN
 # state pooled, its copies deferred behind each layer's load), which must also decode
@@ -17,7 +17,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 VLLM_NO_USA
   "$PY" -c "import sys, torch, vllm; print('python', sys.version.split()[0], 'torch', torch.__version__,
             'vllm', vllm.__version__, 'cuda', torch.cuda.is_available())"
   "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_int8_kernel.py tests/unit/test_device_path.py \
-    tests/unit/test_graph_waits.py tests/unit/test_selftest.py
+    tests/unit/test_selftest.py
   "$PY" benchmarks/e2e_gpu.py --geometry 1b --tokens 4096 --reps 3 --graphs --scrub --check \
     --configs recompute ascend-layerwise-raw ascend-layerwise-int8
   "$PY" benchmarks/e2e_gpu.py --geometry hybrid-tiny --tokens 4096 --reps 1 --graphs --scrub --check \

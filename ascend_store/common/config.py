@@ -248,10 +248,6 @@ class StoreConfig:
     # many before it); 0 queues every layer at the step's start, which measured best on
     # the H200 in 5 of 6 cases (docs/benchmarks.md).
     load_window: int = 0
-    # CUDA, dense models: full graphs wait for each layer's load inside the graph
-    # (graph_waits.py); off until measured under vLLM (measured without vLLM: docs/benchmarks.md,
-    # "Per-layer waits inside a CUDA graph").
-    graph_layer_waits: bool = False
     # Whole mode (use_layerwise false): a pool hit loads off the step (vLLM's
     # WAITING_FOR_REMOTE_KVS); other requests keep decoding meanwhile (async_loads.py).
     async_load: bool = True
@@ -289,7 +285,7 @@ class StoreConfig:
 
     KEYS = ("backend", "use_layerwise", "chunk_size", "timeout_s", "lookup_timeout_s", "load_timeout_s",
             "verify_checksum", "codec", "lossless", "defer_save_drain", "defer_state_copy", "copy_path",
-            "load_window", "graph_layer_waits", "async_load", "async_load_min_tokens", "async_load_share",
+            "load_window", "async_load", "async_load_min_tokens", "async_load_share",
             "load_planner", "commit_before_reply",
             "consumer_wait_s", "save_decode_cache", "head_slices", "layer_slices", "local", "mooncake",
             "memcache", "lookup_cache")
@@ -318,7 +314,6 @@ class StoreConfig:
             defer_state_copy=r.take("defer_state_copy", True, bool),
             copy_path=r.choice("copy_path", "auto", ("auto", "batched", "per_block")),
             load_window=r.take("load_window", 0, int),
-            graph_layer_waits=r.take("graph_layer_waits", False, bool),
             async_load=r.take("async_load", True, bool),
             async_load_min_tokens=r.take("async_load_min_tokens", 0, int),
             async_load_share=r.positive("async_load_share", 0.33),

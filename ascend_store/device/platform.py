@@ -120,17 +120,6 @@ class Device:
         """Whether the work ``event`` marks has run, without waiting (None: nothing queued)."""
         return event is None or event.query()
 
-    def graph_event(self):
-        """A CUDA event that a graph captures a wait on as a node of its own (an external
-        event), recorded once so a capture may wait on it."""
-        ev = self._mod.Event(external=True)
-        ev.record(self.current())
-        return ev
-
-    def capturing(self) -> bool:
-        """Whether the current stream is capturing a CUDA graph."""
-        return self.type == "cuda" and self._mod.is_current_stream_capturing()
-
     def current(self):
         """The current stream (None on CPU); a caller that waits often keeps it."""
         return self._mod.current_stream(self.device) if self.is_accelerator else None

@@ -52,7 +52,6 @@ COUNTERS = {
     "load_timeouts": "loads abandoned at load_timeout_s",
     "loads_started_at_schedule": "steps whose loads started as the scheduler built the step",
     "loads_before_forward": "steps that loaded everything before the forward (whole mode, full graphs)",
-    "loads_in_graph": "steps whose full graph waited for each layer's load (graph_layer_waits)",
     "async_load_requests": "requests whose off-step load ended: landed, failed or cancelled (async_load)",
     "deferred_state_copies": "hybrid models: vLLM's state copies run once their layer's state landed",
     "failed_blocks": "blocks reported to vLLM for recompute",

@@ -31,7 +31,6 @@ from ascend_store.common.transfer import FLAG_WSUM, CorruptObject
 from ascend_store.device.device_work import BatchLoad, LayerObjects, QueuedLoad, queue_window
 from ascend_store.worker import host_loads
 from ascend_store.worker.admission import Admitted, lease, reject
-from ascend_store.worker.graph_waits import GraphStep
 from ascend_store.worker.worker_context import WorkerContext
 
 log = logging.getLogger("ascend_store")
@@ -57,7 +56,6 @@ class LoadJob:
         self.corrupt: set[int] = set()  # chunks whose objects are removed, so a recompute republishes them
         self.gate = host_loads.WriteGate()  # the host path's writes into the cache
         self.future: Future | None = None
-        self.graph: GraphStep | None = None  # a full graph's per-layer waits (graph_waits.py)
         self.checked = False  # accelerators: its copies' checksums are compared
 
     @property
@@ -74,13 +72,12 @@ class Loader:
         self._failed_chunks: set[str] = set()
         self._scratch = host_loads.Scratch(share)  # the load thread's buffer and pace (async_loads.py)
 
-    def start(self, loads: list[ChunkLoad], new_tokens: int = 0, graph: GraphStep | None = None) -> LoadJob:
+    def start(self, loads: list[ChunkLoad], new_tokens: int = 0) -> LoadJob:
         """``new_tokens``: tokens the step computes (it sets how far copies are queued ahead).
         The lease runs on the load thread on both paths, never on the caller's: on
         accelerators it overlaps the runner's input preparation when the step's loads start
         at the scheduler's hand-over."""
         job = self.job = LoadJob(loads, self.ctx.order if self.ctx.device_path is None else [])
-        job.graph = graph
         job.window = queue_window(new_tokens, len(self.ctx.order), self.ctx.cfg.load_window)
         dp = self.ctx.device_path
         if dp is not None:
@@ -130,9 +127,6 @@ class Loader:
                                   "step the scheduler did not mark full_graph)")
         if self.ctx.device_path is not None:
             self._queue_upto(job, len(self.ctx.order))
-            if before_forward and job.graph is not None:
-                job.graph.close(self.ctx.device_path.load_stream)
-                return  # the graph waits for each layer
             for event in {id(e): e for e in job.device_events.values()}.values():  # one per batch
                 self.ctx.device_path.dev.wait(event, self._compute(job))
 
@@ -271,8 +265,6 @@ class Loader:
                 job.queued.append((q, adm))
                 for objs in batch.layers:
                     job.device_events[objs.name] = q.done
-                if job.graph is not None:
-                    job.graph.queued([o.name for o in batch.layers], self.ctx.device_path.load_stream)
         except Exception as exc:
             job.next = len(job.todo)
             self._load_failed(job, exc)

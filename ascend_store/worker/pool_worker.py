@@ -32,7 +32,6 @@ from ascend_store.device.platform import PinError, batched_copies
 from ascend_store.ops.stats import AscendStoreStats, IntervalCounters, PoolOccupancy, StepCalls
 from ascend_store.worker import selftest
 from ascend_store.worker.async_loads import AsyncLoads
-from ascend_store.worker.graph_waits import GraphWaits
 from ascend_store.worker.hybrid import DeferredStateCopies, state_layout
 from ascend_store.worker.loads import Loader
 from ascend_store.worker.registration import checked_layout, layer_parts, object_formats
@@ -105,7 +104,6 @@ class PoolWorker:
         self.async_loads = AsyncLoads(self.ctx)
         self.saver = Saver(self.ctx, cfg.defer_save_drain and _has_preemption_hook())
         self.state_copies: DeferredStateCopies | None = None
-        self.graph_waits: GraphWaits | None = None
         self.parts: dict[str, list[str]] = {}  # layer -> its parts (tuple caches, head slices)
         self._step_loads = False
         self._begun: StepMetadata | None = None  # the step whose loads started
@@ -169,11 +167,6 @@ class PoolWorker:
                 log.warning("ascend-store: pinning the pool's memory failed (%s); copying block by block",
                             exc)
                 ctx.device_path = None
-        # Dense models on CUDA: a full graph waits for each layer's load (graph_waits.py).
-        if ctx.device_path is not None and self.cfg.graph_layer_waits and self.cfg.use_layerwise \
-                and not states:
-            self.graph_waits = GraphWaits.of(ctx.device_path.dev, {
-                n: [p for p in self.parts.get(n, (n,)) if p in ctx.rank] for n in kv_caches})
         log.info("ascend-store: copy path %s on %s", "batched" if ctx.device_path else "per_block", device)
         ctx.backend = selftest.checked_pool(ctx, self.num_blocks)  # no pool if a block comes back wrong
 
@@ -237,7 +230,7 @@ class PoolWorker:
         job = self._begin(meta)
         if job is not None and not self.by_layer(meta):
             self.loader.finish(job, before_forward=True)
-            self.counters["loads_before_forward" if job.graph is None else "loads_in_graph"] += 1
+            self.counters["loads_before_forward"] += 1
             self._run_state_copies()
 
     def by_layer(self, meta: StepMetadata | None) -> bool:
@@ -265,20 +258,12 @@ class PoolWorker:
         self.counters["steps"] += 1
         if meta.async_loads:
             self.async_loads.start(meta.async_loads)
-        gw = self.graph_waits
-        graph = gw.step() if gw is not None and getattr(meta, "full_graph", False) and gw.armed else None
-        return self.loader.start(meta.loads, meta.new_tokens, graph) if meta.loads else None
+        return self.loader.start(meta.loads, meta.new_tokens) if meta.loads else None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self.graph_waits is not None and self.graph_waits.capturing():
-            self.graph_waits.wait(layer_name)  # a node of the full graph vLLM captures
-            return
         self._waits += 1
         self._waited.add(layer_name)
         job = self.loader.job
-        if job is not None and job.graph is not None:  # a marked step vLLM runs piecewise after all
-            self.graph_waits.wait(layer_name)
-            return
         if job is None or not self.by_layer(self._begun):
             return
         for part in self.parts.get(layer_name, (layer_name,)):
