@@ -162,8 +162,8 @@ def make_engine(spec: dict):
     if spec.get("gpu", True):
         kwargs.update(gpu_memory_utilization=0.8, attention_backend="FLASH_ATTN")
         if "hybrid" in os.path.basename(spec["model"]):
-            # vLLM picks FlashInfer's GDN prefill on Hopper, compiled at first use: the
-            # offline GPU machine has no CUDA compiler, so the Triton (FLA) kernels.
+            # vLLM 0.26 picks FlashInfer's GDN prefill on Hopper, which it compiles at first
+            # use (a CUDA toolkit the offline kit does not bring); Triton's (FLA) needs none.
             kwargs["gdn_prefill_backend"] = "triton"
     else:  # the CPU smoke run
         kwargs.update(distributed_executor_backend="uni", block_size=128)
