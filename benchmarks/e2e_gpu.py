@@ -162,8 +162,8 @@ def make_engine(spec: dict):
     if spec.get("gpu", True):
         kwargs.update(gpu_memory_utilization=0.8, attention_backend="FLASH_ATTN")
         if "hybrid" in os.path.basename(spec["model"]):
-            # vLLM 0.26 picks FlashInfer's GDN prefill on Hopper, which it compiles at first
-            # use (a CUDA toolkit the offline kit does not bring); Triton's (FLA) needs none.
+            # vLLM 0.26's default on Hopper, FlashInfer's GDN prefill (compiled at first use),
+            # killed the tiny hybrid's engine in its first request on an H100: Triton's (FLA).
             kwargs["gdn_prefill_backend"] = "triton"
     else:  # the CPU smoke run
         kwargs.update(distributed_executor_backend="uni", block_size=128)
