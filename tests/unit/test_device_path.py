@@ -248,6 +248,22 @@ def test_equally_spaced_parts_move_as_one_2d_copy_each_run():
     assert dma_runs(*overlapping) == [(0, 1, 512), (1, 1, 512)]
 
 
+def _save_sealed(path, arena, objs: dict, layouts: dict, size: int, codec) -> None:
+    """Save each layer's objects through ``path`` and seal them, as the worker's saves do."""
+    for name, o in objs.items():
+        q = path.save_layer(arena, o, path.dev.record())
+        for key, off, wsum in zip(o.keys, o.offsets, finish_save(path, q)):
+            seal(arena[off:off + size], size - HEADER_BYTES, layouts[name], key, codec, True, wsum=wsum)
+
+
+def _stored_sums(arena, o, layout, codec) -> list[int]:
+    """The word sums the headers of a layer's two 3-block objects hold (checked whole)."""
+    faults, h = header_faults(arena.numpy(), o.offsets, o.sizes, o.keys, layout, 3, True, codec,
+                              wsum_later=True)
+    assert faults == [None, None]
+    return h["crc"].astype("int64").tolist()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_int8_layers_match_the_host_codec_both_ways(device):
     """int8 layers are (de)quantized by whole-layer tensor ops on the device: what they
@@ -264,10 +280,7 @@ def test_int8_layers_match_the_host_codec_both_ways(device):
                                [0, 0], [f"k/{name}/0", f"k/{name}/1"]) for i, name in enumerate(layouts)}
     path = DevicePath(torch.device(device), layouts, {n: int8 for n in layouts})
     arena = path.arena(1, mmap.mmap(-1, 4 * slot))
-    for name, o in objs.items():
-        q = path.save_layer(arena, o, path.dev.record())
-        for key, off, wsum in zip(o.keys, o.offsets, finish_save(path, q)):
-            seal(arena[off:off + size], size - HEADER_BYTES, layouts[name], key, int8, True, wsum=wsum)
+    _save_sealed(path, arena, objs, layouts, size, int8)
 
     host = {n: LayerLayout(lay.tensor.cpu(), lay.block_dim, lay.kv_dims) for n, lay in layouts.items()}
     for name, o in objs.items():
@@ -287,10 +300,7 @@ def test_int8_layers_match_the_host_codec_both_ways(device):
     loader = DevicePath(torch.device(device), empty, {n: int8 for n in empty})
     queued = []
     for name, o in objs.items():
-        faults, h = header_faults(arena.numpy(), o.offsets, o.sizes, o.keys, empty[name], 3, True, int8,
-                                  wsum_later=True)
-        assert faults == [None, None]
-        o.stored = h["crc"].astype("int64").tolist()
+        o.stored = _stored_sums(arena, o, empty[name], int8)
         queued.append(loader.queue_batch(arena, loader.batches([o])[0]))
     assert loader.check_loads(queued, True) == [[[]], [[]]]
     for name, o in objs.items():
@@ -329,21 +339,12 @@ def test_int8_layers_of_one_shape_load_in_one_batch(device):
                             [0, 0], [f"k/{n}/0", f"k/{n}/1"]) for i, n in enumerate(names)}
     path = DevicePath(torch.device(device), src, {n: int8 for n in names})
     arena = path.arena(1, mmap.mmap(-1, 2 * len(names) * slot))
-    for n, o in objs.items():
-        q = path.save_layer(arena, o, path.dev.record())
-        for key, off, wsum in zip(o.keys, o.offsets, finish_save(path, q)):
-            seal(arena[off:off + size], size - HEADER_BYTES, src[n], key, int8, True,
-                 wsum=wsum)
+    _save_sealed(path, arena, objs, src, size, int8)
     empty = {n: LayerLayout(torch.zeros_like(lay.tensor), lay.block_dim, lay.kv_dims)
              for n, lay in src.items()}
     loader = DevicePath(torch.device(device), empty, {n: int8 for n in names})
-    step = []
-    for n, o in objs.items():
-        faults, h = header_faults(arena.numpy(), o.offsets, o.sizes, o.keys, empty[n], 3, True, int8,
-                                  wsum_later=True)
-        assert faults == [None, None]
-        step.append(LayerObjects(n, o.offsets, o.sizes, [[3, 5, 6], [8, 10, 11]], [0, 0], o.keys,
-                                 h["crc"].astype("int64").tolist()))
+    step = [LayerObjects(n, o.offsets, o.sizes, [[3, 5, 6], [8, 10, 11]], [0, 0], o.keys,
+                         _stored_sums(arena, o, empty[n], int8)) for n, o in objs.items()]
     plan = step[0].plan()
     for lo in step[1:]:
         lo.planner = plan  # one step: the layers share its page plan
