@@ -69,6 +69,10 @@ class LoadPlanner:
         self.rates = np.full(TIERS, np.nan)  # seconds per loaded token, per tier (nan: not measured)
         self._loads: deque[tuple[np.ndarray, float]] = deque(maxlen=history)  # (tokens per tier, seconds)
         self._recomputed_in_a_row = 0
+        # What each step computed and loaded per tier, by step number, until the worker's
+        # timing of that step comes back (``steps_timed``).
+        self._building = np.zeros(TIERS, dtype=np.int64)  # the step being built: tokens per tier
+        self._steps: dict[int, tuple[int, tuple[int, ...]]] = {}
 
     @property
     def load_s_per_token(self) -> float | None:
@@ -124,6 +128,25 @@ class LoadPlanner:
             self.counters["loads_planned"] += 1
             self.counters["load_tokens_planned"] += take
         return take
+
+    def loading(self, by_tier: np.ndarray) -> None:
+        """A request's planned load (tokens per tier) joins the step being built."""
+        self._building += by_tier
+
+    def step_built(self, step: int, computed: int) -> None:
+        """The step being built is complete: it computes ``computed`` tokens."""
+        self._steps[step] = (computed, tuple(self._building.tolist()))
+        self._building[:] = 0
+        if len(self._steps) > 4096:  # steps whose timing never came (no worker hook ran)
+            self._steps.pop(next(iter(self._steps)))
+
+    def steps_timed(self, seconds: dict[int, float]) -> None:
+        """The worker's timings of built steps, by step number."""
+        for step, s in seconds.items():
+            built = self._steps.pop(step, None)
+            if built is not None:
+                computed, by_tier = built
+                self.observe(StepCost(computed, sum(by_tier), s, by_tier))
 
     def observe(self, step: StepCost) -> None:
         if step.seconds <= 0:

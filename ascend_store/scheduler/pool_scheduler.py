@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ascend_store.backends import create_backend
-from ascend_store.backends.base import TIERS
 from ascend_store.common import seams
 from ascend_store.common.config import StoreConfig
 from ascend_store.common.keys import (
@@ -50,7 +49,7 @@ from ascend_store.scheduler.hit_cache import BlockHitCache
 from ascend_store.scheduler.lookups import STATE_TAG, TAIL_TAG, LookupState, PoolLookups
 from ascend_store.scheduler.marks import LOSSLESS, marked
 from ascend_store.scheduler.pd_wait import ProducerWait
-from ascend_store.scheduler.planner import LoadPlanner, StepCost
+from ascend_store.scheduler.planner import LoadPlanner
 
 log = logging.getLogger("ascend_store")
 
@@ -122,12 +121,9 @@ class PoolScheduler:
                                                self.block_size, kv_cache_config) \
             if self.backend is not None and kv_events.enabled(vllm_config) else None
         # Lookups answered off the engine's thread, one pool call per step (lookups.py).
-        # Load or recompute each hit, from the engine's own timings (planner.py): what each
-        # step computed and loaded, by step number, until its worker timing comes back.
+        # Load or recompute each hit, from the engine's own timings of each step (planner.py).
         self.planner = LoadPlanner(self.counters) if cfg.load_planner and self.can_load else None
         self._step = 0
-        self._planned_steps: dict[int, tuple[int, tuple[int, ...]]] = {}  # (computed, loaded per tier)
-        self._step_tiers = np.zeros(TIERS, dtype=np.int64)  # tokens this step loads per tier
         self.lookups = PoolLookups(self.backend, self.keyspaces, self.attn_groups, self.state_groups,
                                    self.hit_cache, self.counters, cfg.lookup_timeout_s, self.kv_events,
                                    first_deadline_s=cfg.timeout_s) \
@@ -282,17 +278,14 @@ class PoolScheduler:
             self._plan_saves(req_id, state, cached.num_computed_tokens[i]
                              + scheduler_output.num_scheduled_tokens[req_id], meta)
         if self.planner is not None:
-            self._planned_steps[self._step] = (meta.new_tokens, tuple(self._step_tiers.tolist()))
-            self._step_tiers[:] = 0
-            if len(self._planned_steps) > 4096:  # steps whose timing never came (no worker hook ran)
-                self._planned_steps.pop(next(iter(self._planned_steps)))
+            self.planner.step_built(self._step, meta.new_tokens)
         return meta
 
     def _start_loads(self, state: _Request, meta: StepMetadata) -> None:
         meta.loads.extend(state.pending_load)
         state.pending_load = []
         if state.load_tiers is not None:  # what the step loads from each tier, for the planner
-            self._step_tiers += state.load_tiers
+            self.planner.loading(state.load_tiers)
             state.load_tiers = None
 
     def _plan_saves(self, req_id: str, state: _Request, computed_after_step: int,
@@ -365,11 +358,7 @@ class PoolScheduler:
         if not isinstance(report, WorkerReport):
             return
         if self.planner is not None:
-            for step, seconds in report.steps.items():
-                planned = self._planned_steps.pop(step, None)
-                if planned is not None:
-                    computed, by_tier = planned
-                    self.planner.observe(StepCost(computed, sum(by_tier), seconds, by_tier))
+            self.planner.steps_timed(report.steps)
         failed = report.failed_chunks
         if self.hit_cache is not None:
             self.hit_cache.invalidate(failed + [tag + h for tag in (STATE_TAG, TAIL_TAG) for h in failed])
