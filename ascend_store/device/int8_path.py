@@ -84,7 +84,6 @@ class Int8Rows:
 
     views: list[torch.Tensor]  # each layer's cache as [blocks, 2, T, H, D]
     obj_base: np.ndarray  # [layers, objects] payload starts in staging (bytes)
-    dst: torch.Tensor
     layer_off: np.ndarray  # [layers] elements from dst to each layer's cache
     tensors: tuple = ()  # obj_base and layer_off on the device
 
@@ -92,13 +91,17 @@ class Int8Rows:
     def objects(self) -> int:
         return self.obj_base.shape[1]
 
+    @property
+    def dst(self) -> torch.Tensor:
+        return self.views[int(np.argmin(self.layer_off))]
+
 
 def int8_rows(views: list[torch.Tensor], starts: np.ndarray) -> Int8Rows:
     """The rows of a batch whose [layer, object] parts start at ``starts`` in staging."""
     ptrs = np.array([v.data_ptr() for v in views], dtype=np.int64)
     low = int(np.argmin(ptrs))
     base = np.asarray(starts, dtype=np.int64).reshape(len(views), -1) + HEADER_BYTES
-    return Int8Rows(views, base, views[low], (ptrs - ptrs[low]) // views[low].element_size())
+    return Int8Rows(views, base, (ptrs - ptrs[low]) // views[low].element_size())
 
 
 def load_layers(staging: torch.Tensor, plan: Int8Plan, rows: Int8Rows, sums: torch.Tensor) -> None:
